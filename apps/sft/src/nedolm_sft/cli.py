@@ -21,3 +21,6 @@ def cli() -> None:
 
 def main() -> None:
     cli()
+
+
+# Command registration: each module under nedolm_sft.commands adds its commands here.

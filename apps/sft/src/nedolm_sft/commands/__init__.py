@@ -1,0 +1,1 @@
+"""One module per group of ``nedolm-sft`` commands; ``nedolm_sft.cli`` registers them."""
