@@ -48,3 +48,6 @@ def main() -> None:
 
 
 # Command registration: each module under nedolm_sft.commands adds its commands here.
+from nedolm_sft.commands.plot import plot  # noqa: E402
+
+cli.add_command(plot)

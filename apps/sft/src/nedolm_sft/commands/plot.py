@@ -1,0 +1,95 @@
+"""``nedolm-sft plot``: loss, validation loss, learning-rate and throughput curves as one PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
+    """Split ``metrics.jsonl`` into training and validation records, naming any bad line."""
+    train: list[dict] = []
+    validation: list[dict] = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise click.ClickException(f"{path}:{number}: not a JSON line ({exc.msg})") from exc
+        if record.get("kind") == "validation":
+            validation.append(record)
+        elif "loss" in record:
+            train.append(record)
+    return train, validation
+
+
+def plot_run(run_dir: Path, out: Path) -> Path:
+    """Draw the run's curves into ``out`` (written atomically) and return it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise click.ClickException(
+            f"{metrics} not found: is {run_dir} a run directory that has logged a step?"
+        )
+    train, validation = read_metrics(metrics)
+    if not train and not validation:
+        raise click.ClickException(f"{metrics} holds no training or validation records yet")
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    loss_ax, lr_ax, speed_ax = axes
+    if train:
+        loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    if validation:
+        loss_ax.plot(
+            [r["step"] for r in validation],
+            [r["val_loss"] for r in validation],
+            marker="o",
+            label="validation loss",
+        )
+    loss_ax.set(title="assistant-token loss", xlabel="step", ylabel="nats / target")
+    loss_ax.legend()
+    lr_ax.plot([r["step"] for r in train], [r.get("lr", 0.0) for r in train], color="tab:green")
+    lr_ax.set(title="learning rate", xlabel="step")
+    speed_ax.plot(
+        [r["step"] for r in train], [r.get("tokens_per_s", 0.0) for r in train], color="tab:red"
+    )
+    speed_ax.set(title="throughput", xlabel="step", ylabel="context tokens / s")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"NedoLM SFT — {run_dir.name}")
+    fig.tight_layout()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    tmp.replace(out)
+    return out
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="PNG to write (default: RUN_DIR/curves.png).",
+)
+def plot(run_dir: Path, out: Path | None) -> None:
+    """Plot loss, validation loss, learning rate and throughput of a run as a PNG.
+
+    \b
+    Example:
+      nedolm-sft plot runs/sft-demo            # writes runs/sft-demo/curves.png
+    """
+    if not run_dir.is_dir():
+        raise click.ClickException(f"run directory {run_dir} does not exist")
+    path = plot_run(run_dir, out or run_dir / "curves.png")
+    click.echo(f"wrote {path}")
