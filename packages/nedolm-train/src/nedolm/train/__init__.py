@@ -1,0 +1,1 @@
+"""nedolm.train: the SFT loop and what it needs (configs, schedules, checkpoints, metrics)."""

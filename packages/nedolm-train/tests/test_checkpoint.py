@@ -1,0 +1,107 @@
+"""Atomic checkpoint files, rotation, and what a kill -9 mid-write leaves behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nedolm.train.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    save_model_archive,
+    write_run_metadata,
+)
+
+
+def _payload(step: int) -> dict[str, object]:
+    return {"model": {"w": torch.full((4,), float(step))}, "step": step}
+
+
+def test_roundtrip_and_latest(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    for step in (1, 2, 10):
+        save_checkpoint(tmp_path, step, _payload(step), keep_last=5, keep_every=0)
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 10)
+    state = load_checkpoint(latest_checkpoint(tmp_path))
+    assert state["step"] == 10 and torch.equal(state["model"]["w"], torch.full((4,), 10.0))
+
+
+def test_rotation_keeps_last_and_every(tmp_path: Path) -> None:
+    for step in range(1, 13):
+        save_checkpoint(tmp_path, step, _payload(step), keep_last=2, keep_every=5)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [5, 10, 11, 12]
+
+
+def test_rotation_never_deletes_the_newest_in_a_reused_run_dir(tmp_path: Path) -> None:
+    for step in (50, 60):
+        save_checkpoint(tmp_path, step, _payload(step), keep_last=1, keep_every=0)
+    # A lower step written into the same dir keeps both the highest and the one just written.
+    save_checkpoint(tmp_path, 3, _payload(3), keep_last=1, keep_every=0)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 60]
+
+
+def test_temp_files_are_ignored_and_cleaned(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 1, _payload(1), keep_last=3, keep_every=0)
+    stale = checkpoint_path(tmp_path, 2).with_name(".step-00000002.pt.tmp-999")
+    stale.write_bytes(b"half a checkpoint")
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+    save_checkpoint(tmp_path, 3, _payload(3), keep_last=3, keep_every=0)
+    assert not stale.exists()
+
+
+def test_unreadable_checkpoint_is_refused_naming_it(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, 7, _payload(7), keep_last=3, keep_every=0)
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CheckpointError, match=r"step-00000007\.pt"):
+        load_checkpoint(path)
+    torch.save({"not": "a checkpoint"}, path)
+    with pytest.raises(CheckpointError, match="no 'model' entry"):
+        load_checkpoint(path)
+
+
+def test_archive_and_metadata(tmp_path: Path) -> None:
+    path = save_model_archive(tmp_path, 4, _payload(4))
+    assert path.name == "model-00000004.pt" and load_checkpoint(path)["step"] == 4
+    write_run_metadata(tmp_path, {"start_step": 0})
+    write_run_metadata(tmp_path, {"start_step": 4})
+    meta = json.loads((tmp_path / "run_metadata.json").read_text(encoding="utf-8"))
+    assert meta == {"starts": [{"start_step": 0}, {"start_step": 4}]}
+
+
+_WRITER = """
+import sys, torch
+from nedolm.train.checkpoint import save_checkpoint
+step = 0
+while True:
+    step += 1
+    payload = {"model": {"w": torch.full((2_000_000,), float(step))}, "step": step}
+    save_checkpoint(sys.argv[1], step, payload, keep_last=2, keep_every=0)
+"""
+
+
+def test_kill_9_mid_write_never_leaves_a_partial_checkpoint(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)])
+        time.sleep(2.0 + rng.random())  # torch import + a few 8 MB writes
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        for step, path in list_checkpoints(tmp_path):
+            state = load_checkpoint(path)
+            assert state["step"] == step
+            assert torch.equal(state["model"]["w"], torch.full((2_000_000,), float(step)))
+    assert list_checkpoints(tmp_path), "the writer never finished a checkpoint"
