@@ -1,0 +1,58 @@
+"""nedolm.dist: process-group setup and rank-safe collectives.
+
+The rule: no rank ever waits in a collective that a failed peer will never enter. Failures
+are exchanged inside the collective and raised on every rank; peers that die or hang are
+bounded by the process-group timeout.
+"""
+
+from nedolm.dist.collectives import (
+    CollectiveError,
+    RankError,
+    all_rank_call,
+    barrier,
+    broadcast_module_state,
+    collect_rank_errors,
+    gather_object,
+    main_rank_call,
+    sum_all,
+    sync_control_flags,
+)
+from nedolm.dist.env import DistEnvError, LaunchEnv, read_launch_env
+from nedolm.dist.group import (
+    DistInfo,
+    cleanup,
+    collective_device,
+    get_info,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_main_rank,
+    setup_distributed,
+)
+from nedolm.dist.log import MainRankFilter
+
+__all__ = [
+    "CollectiveError",
+    "DistEnvError",
+    "DistInfo",
+    "LaunchEnv",
+    "MainRankFilter",
+    "RankError",
+    "all_rank_call",
+    "barrier",
+    "broadcast_module_state",
+    "cleanup",
+    "collect_rank_errors",
+    "collective_device",
+    "gather_object",
+    "get_info",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "is_main_rank",
+    "main_rank_call",
+    "read_launch_env",
+    "setup_distributed",
+    "sum_all",
+    "sync_control_flags",
+]
