@@ -1,0 +1,176 @@
+"""Causal attention over packed segments: the flash, torch_varlen and sdpa backends.
+
+Every backend attends only inside the segments given by `cu_seqlens`, so packed conversations
+never see each other. `sdpa` is the reference that runs anywhere; it batches segments of
+similar length into one `scaled_dot_product_attention` call each, padding a segment at its end.
+Causality makes that padding exact: a real query never attends a later (padded) key.
+Optional kernels are imported only here.
+"""
+
+# Shape legend: T packed tokens, H query heads, G kv heads, K head dim, N segments,
+# n segments in one sdpa group, P padded length of that group.
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # CPU installs and machines without the optional kernel
+    flash_attn_varlen_func = None
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10
+    varlen_attn = None
+
+BACKENDS = ("flash", "torch_varlen", "sdpa")
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class AttentionBackendError(RuntimeError):
+    """The requested attention backend cannot run here (or on these inputs)."""
+
+
+def attention_backends(device: torch.device | str | None = None) -> dict[str, str | None]:
+    """Each backend name mapped to None when it can run on `device`, else the reason it cannot.
+
+    `device` defaults to CUDA when present, else CPU.
+    """
+    device = torch.device(device if device is not None else _default_device())
+    on_cuda = device.type == "cuda" and torch.cuda.is_available()
+    flash: str | None = None
+    if flash_attn_varlen_func is None:
+        flash = "flash-attn is not installed (pip install 'nedolm-model[flash]')"
+    elif not on_cuda:
+        flash = f"flash-attn needs a CUDA device, got {device.type}"
+    torch_varlen: str | None = None
+    if varlen_attn is None:
+        torch_varlen = f"torch.nn.attention.varlen is missing in torch {torch.__version__}"
+    elif not on_cuda:
+        torch_varlen = f"torch.nn.attention.varlen needs a CUDA device, got {device.type}"
+    return {"flash": flash, "torch_varlen": torch_varlen, "sdpa": None}
+
+
+def resolve_attn_impl(attn_impl: str, device: torch.device | str) -> str:
+    """Turn `auto` into the fastest backend available on `device`; refuse unavailable ones.
+
+    Raises:
+        AttentionBackendError: the named backend cannot run on `device`.
+    """
+    available = attention_backends(device)
+    if attn_impl == "auto":
+        return next(name for name in BACKENDS if available[name] is None)
+    if attn_impl not in available:
+        raise AttentionBackendError(f"unknown attn_impl {attn_impl!r}; choose one of {BACKENDS}")
+    reason = available[attn_impl]
+    if reason is not None:
+        raise AttentionBackendError(f"attn_impl={attn_impl!r} cannot run here: {reason}")
+    return attn_impl
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class VarlenLayout:
+    """Everything a backend needs to isolate segments; built once per forward, shared by blocks.
+
+    For `sdpa`, `groups` holds [n, P] token indices per padded length (None for a batch of
+    equal rows that are simply reshaped) and `inverse` [T] maps each token to its row in the
+    concatenated group outputs (None when the concatenation is already in token order).
+    """
+
+    impl: str
+    cu_seqlens: Tensor
+    max_seqlen: int
+    groups: list[Tensor | None]
+    inverse: Tensor | None
+
+
+def build_layout(impl: str, cu_seqlens: Tensor, max_seqlen: int | None) -> VarlenLayout:
+    """Precompute a backend's view of the segments (the sdpa plan needs the lengths on host)."""
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    if impl != "sdpa":
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return VarlenLayout(impl, cu_seqlens, max_seqlen, [], None)
+    bounds = cu_seqlens.tolist()
+    starts, lengths = bounds[:-1], [e - s for s, e in itertools.pairwise(bounds)]
+    if min(lengths) <= 0:
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {bounds[:16]}...")
+    if len(set(lengths)) == 1:
+        return VarlenLayout(impl, cu_seqlens, lengths[0], [None], None)
+    return _grouped_layout(cu_seqlens, starts, lengths)
+
+
+def _padded_length(length: int) -> int:
+    """Round up by at most 1/8 (and to >= 16) so few distinct shapes cover all lengths."""
+    granule = 1 << max(0, length.bit_length() - 4)
+    return max(16, -(-length // granule) * granule)
+
+
+def _grouped_layout(cu_seqlens: Tensor, starts: list[int], lengths: list[int]) -> VarlenLayout:
+    by_padded: dict[int, list[int]] = {}
+    for seg, length in enumerate(lengths):
+        by_padded.setdefault(_padded_length(length), []).append(seg)
+    total = starts[-1] + lengths[-1]
+    inverse_T = torch.empty(total, dtype=torch.long)
+    groups: list[Tensor | None] = []
+    offset = 0
+    for padded, segs in sorted(by_padded.items()):
+        start_n = torch.tensor([starts[s] for s in segs])
+        length_n = torch.tensor([lengths[s] for s in segs])
+        cols_P = torch.arange(padded)
+        # Padding repeats the segment's last token: finite values that no real query sees.
+        index_nP = start_n[:, None] + torch.minimum(cols_P[None, :], length_n[:, None] - 1)
+        real_nP = cols_P[None, :] < length_n[:, None]
+        rows_nP = offset + torch.arange(len(segs) * padded).view(len(segs), padded)
+        inverse_T[index_nP[real_nP]] = rows_nP[real_nP]
+        groups.append(index_nP.to(cu_seqlens.device))
+        offset += len(segs) * padded
+    return VarlenLayout("sdpa", cu_seqlens, max(lengths), groups, inverse_T.to(cu_seqlens.device))
+
+
+def varlen_attention(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, layout: VarlenLayout) -> Tensor:
+    """Causal attention of each token over the earlier tokens of its own segment."""
+    if layout.impl == "sdpa":
+        return _sdpa_grouped(q_THK, k_TGK, v_TGK, layout)
+    if q_THK.dtype not in _HALF_DTYPES:
+        raise AttentionBackendError(
+            f"attn_impl={layout.impl!r} needs bf16/fp16 inputs (use autocast), got {q_THK.dtype}"
+        )
+    cu, max_len = layout.cu_seqlens, layout.max_seqlen
+    if layout.impl == "flash":
+        return flash_attn_varlen_func(q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, causal=True)
+    return varlen_attn(
+        q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True
+    )
+
+
+def _sdpa_grouped(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, layout: VarlenLayout) -> Tensor:
+    T, H, K = q_THK.shape
+    outputs = []
+    for index_nP in layout.groups:
+        if index_nP is None:  # equal rows: a free reshape instead of a gather
+            n = len(layout.cu_seqlens) - 1
+            q, k, v = (t.view(n, T // n, -1, K) for t in (q_THK, k_TGK, v_TGK))
+        else:
+            q, k, v = (t[index_nP] for t in (q_THK, k_TGK, v_TGK))
+        outputs.append(causal_sdpa(q, k, v).reshape(-1, H, K))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return out if layout.inverse is None else out[layout.inverse]
+
+
+def causal_sdpa(q_nPHK: Tensor, k_nPGK: Tensor, v_nPGK: Tensor) -> Tensor:
+    """Batched causal SDPA on [n, P, heads, K] tensors, returns [n, P, H, K]."""
+    groups = q_nPHK.size(2) // k_nPGK.size(2)
+    q, k, v = (t.transpose(1, 2) for t in (q_nPHK, k_nPGK, v_nPGK))
+    if groups > 1:  # explicit repeat keeps CPU on its fused kernel (enable_gqa falls back to math)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)

@@ -1,0 +1,295 @@
+"""MorphTransformer: a Llama-style decoder with per-class morph experts and a fused loss head.
+
+Pre-norm RMSNorm, rotary positions indexed by `position_ids`, grouped-query attention over
+packed segments, SwiGLU, no biases, tied input/output embeddings (padded to a multiple of 64
+rows). Tokens travel flattened as [T, D] through the blocks so packed and unpacked batches
+share one code path. With `n_morph_classes == 0` the model is numerically a Llama model.
+"""
+
+# Shape legend: B rows, S row length, T = B*S tokens, D model dim, H query heads,
+# G kv heads, K head dim, F ffn dim, V logical vocab, W padded vocab, N target tokens.
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from nedolm.model.attention import VarlenLayout, build_layout, resolve_attn_impl, varlen_attention
+from nedolm.model.config import ModelConfig
+from nedolm.model.layout import positions_from_cu_seqlens
+from nedolm.model.loss import IGNORE_INDEX, fused_linear_cross_entropy
+from nedolm.model.morph import MorphExperts, MorphRoute
+from nedolm.model.rope import apply_rope, rope_table
+
+if TYPE_CHECKING:
+    from nedolm.model.generate import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 (bf16 sums of squares lose digits), as Llama does.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv_dim = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.d_model, qkv_dim, bias=False)  # one GEMM for q, k and v
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(
+        self,
+        x_TD: Tensor,
+        cos_TK: Tensor,
+        sin_TK: Tensor,
+        layout: VarlenLayout | None,
+        cache: KVCache | None,
+    ) -> Tensor:
+        T, K = x_TD.size(0), self.head_dim
+        qkv = self.wqkv(x_TD)
+        q_THK, k_TGK, v_TGK = qkv.split(
+            (self.n_heads * K, self.n_kv_heads * K, self.n_kv_heads * K), dim=-1
+        )
+        q_THK = apply_rope(q_THK.view(T, self.n_heads, K), cos_TK, sin_TK)
+        k_TGK = apply_rope(k_TGK.view(T, self.n_kv_heads, K), cos_TK, sin_TK)
+        v_TGK = v_TGK.view(T, self.n_kv_heads, K)
+        if cache is not None:
+            out_THK = cache.attend(self.layer, q_THK, k_TGK, v_TGK)
+        else:
+            assert layout is not None
+            out_THK = varlen_attention(q_THK, k_TGK, v_TGK, layout)
+        return self.wo(out_THK.reshape(T, -1))
+
+
+class FeedForward(nn.Module):
+    """Shared SwiGLU path (gate and up projections fused into one GEMM)."""
+
+    def __init__(self, d_model: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.ffn_dim = ffn_dim
+        self.w_gate_up = nn.Linear(d_model, 2 * ffn_dim, bias=False)
+        self.w_down = nn.Linear(ffn_dim, d_model, bias=False)
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        gate_TF, up_TF = self.w_gate_up(x_TD).split(self.ffn_dim, dim=-1)
+        return self.w_down(F.silu(gate_TF) * up_TF)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim)
+        self.morph = None
+        if cfg.n_morph_classes:
+            self.morph = MorphExperts(
+                cfg.d_model, cfg.n_morph_classes, cfg.morph_expert_dim, cfg.morph_dispatch
+            )
+
+    def forward(
+        self,
+        x_TD: Tensor,
+        cos_TK: Tensor,
+        sin_TK: Tensor,
+        layout: VarlenLayout | None,
+        route: MorphRoute | None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        x_TD = x_TD + self.attn(self.attn_norm(x_TD), cos_TK, sin_TK, layout, cache)
+        h_TD = self.ffn_norm(x_TD)
+        out_TD = self.ffn(h_TD)
+        if self.morph is not None and route is not None:
+            out_TD = out_TD + self.morph(h_TD, route)
+        return x_TD + out_TD
+
+
+class MorphTransformer(nn.Module):
+    """Decoder-only LM; see the module docstring. Build it with `build_model(cfg)`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.grad_checkpoint = False  # recompute each block in backward to save activations
+        self.tok_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.n_morph_classes:
+            # Saved with the weights: the routing is part of the model, not of the tokenizer.
+            classes = torch.full((cfg.padded_vocab_size,), cfg.n_morph_classes - 1)
+            self.register_buffer("morph_classes", classes)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual projections scaled by 1/sqrt(2 * n_layers)."""
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(("wo.weight", "w_down.weight", "morph.w_down")):
+                param.normal_(0.0, residual_std)
+            else:
+                param.normal_(0.0, std)
+        self.tok_embeddings.weight[self.cfg.vocab_size :].zero_()  # padding rows: never used
+
+    def set_morph_classes(self, classes: Tensor) -> None:
+        """Set the morph class of ids 0..len(classes)-1; later ids get the last class.
+
+        Raises:
+            ValueError: the model has no morph experts, or the classes do not fit.
+        """
+        cfg = self.cfg
+        if not cfg.n_morph_classes:
+            raise ValueError("set_morph_classes: model is dense (n_morph_classes=0)")
+        if classes.ndim != 1 or len(classes) > cfg.vocab_size:
+            raise ValueError(
+                f"set_morph_classes: need a 1-D tensor of at most vocab_size={cfg.vocab_size} "
+                f"classes, got shape {tuple(classes.shape)}"
+            )
+        if len(classes) and not 0 <= int(classes.min()) <= int(classes.max()) < cfg.n_morph_classes:
+            raise ValueError(
+                f"set_morph_classes: classes must lie in [0, {cfg.n_morph_classes}), got "
+                f"[{int(classes.min())}, {int(classes.max())}]"
+            )
+        self.morph_classes.fill_(cfg.n_morph_classes - 1)
+        self.morph_classes[: len(classes)] = classes.to(self.morph_classes)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        *,
+        return_logits: bool = True,
+        loss_reduction: str = "mean",
+        loss_fp32_logits: bool = True,
+        cu_seqlens: Tensor | None = None,
+        max_seqlen: int | None = None,
+        position_ids: Tensor | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Logits and/or the loss of next-token prediction.
+
+        Args:
+            input_ids: [B, S] (or [S]) token ids.
+            labels: same shape, target id per position or -100 (IGNORE_INDEX) for context.
+            return_logits: return [..., vocab_size] logits; with labels and False, the loss is
+                computed only at target positions and logits never exist.
+            loss_reduction: "sum" or "mean" over target positions.
+            loss_fp32_logits: compute the softmax of the loss in float32.
+            cu_seqlens: int32 [N + 1] segment offsets into the flattened tokens; default: each
+                row is one sequence.
+            max_seqlen: longest segment (saves a host sync on the kernel backends).
+            position_ids: rotary positions, same shape as input_ids; default: derived from
+                cu_seqlens (0 at every segment start).
+
+        Returns:
+            (loss, logits): loss is None without labels, logits None if not requested.
+        """
+        if labels is None and not return_logits:
+            raise ValueError("forward: nothing to compute (no labels and return_logits=False)")
+        if input_ids.ndim not in (1, 2):
+            raise ValueError(
+                f"forward: input_ids must be [B, S] or [S], got {tuple(input_ids.shape)}"
+            )
+        shape = input_ids.shape
+        ids_T = input_ids.reshape(-1)
+        T = ids_T.numel()
+        if cu_seqlens is None:
+            row_len = shape[-1]
+            cu_seqlens = torch.arange(0, T + 1, row_len, dtype=torch.int32, device=ids_T.device)
+            max_seqlen = row_len
+        positions_T = (
+            positions_from_cu_seqlens(cu_seqlens, T)
+            if position_ids is None
+            else position_ids.reshape(-1)
+        )
+        impl = resolve_attn_impl(self.cfg.attn_impl, ids_T.device)
+        layout = build_layout(impl, cu_seqlens, max_seqlen)
+        hidden_TD = self.hidden_states(ids_T, positions_T, layout)
+
+        loss = logits = None
+        if labels is not None and not return_logits:
+            labels_T = labels.reshape(-1)
+            target_T = labels_T != IGNORE_INDEX
+            loss = fused_linear_cross_entropy(
+                hidden_TD[target_T],
+                self.tok_embeddings.weight,
+                labels_T[target_T],
+                vocab_size=self.cfg.vocab_size,
+                reduction=loss_reduction,
+                fp32_logits=loss_fp32_logits,
+            )
+        if return_logits:
+            logits_TV = F.linear(hidden_TD, self.tok_embeddings.weight[: self.cfg.vocab_size])
+            if labels is not None:
+                if loss_reduction not in ("sum", "mean"):
+                    raise ValueError(
+                        f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}"
+                    )
+                loss = F.cross_entropy(
+                    logits_TV.float() if loss_fp32_logits else logits_TV,
+                    labels.reshape(-1),
+                    ignore_index=IGNORE_INDEX,
+                    reduction=loss_reduction,
+                )
+            logits = logits_TV.view(*shape, -1)
+        return loss, logits
+
+    def hidden_states(self, ids_T: Tensor, positions_T: Tensor, layout: VarlenLayout) -> Tensor:
+        """Final-norm hidden states [T, D] of flattened tokens."""
+        x_TD = self.tok_embeddings(ids_T)
+        cos_TK, sin_TK = self.rope_cos[positions_T], self.rope_sin[positions_T]
+        route = self._route(ids_T)
+        for block in self.blocks:
+            if self.grad_checkpoint and torch.is_grad_enabled():
+                x_TD = checkpoint(block, x_TD, cos_TK, sin_TK, layout, route, use_reentrant=False)
+            else:
+                x_TD = block(x_TD, cos_TK, sin_TK, layout, route)
+        return self.norm(x_TD)
+
+    @torch.no_grad()
+    def decode(self, ids_T: Tensor, cache: KVCache) -> Tensor:
+        """Float32 logits [V] after feeding `ids_T` on top of the tokens already in `cache`."""
+        positions_T = cache.length + torch.arange(len(ids_T), device=ids_T.device)
+        x_TD = self.tok_embeddings(ids_T)
+        cos_TK, sin_TK = self.rope_cos[positions_T], self.rope_sin[positions_T]
+        route = self._route(ids_T)
+        for block in self.blocks:
+            x_TD = block(x_TD, cos_TK, sin_TK, None, route, cache)
+        cache.advance(len(ids_T))
+        hidden_D = self.norm(x_TD[-1])
+        return F.linear(hidden_D, self.tok_embeddings.weight[: self.cfg.vocab_size]).float()
+
+    def _route(self, ids_T: Tensor) -> MorphRoute | None:
+        cfg = self.cfg
+        if not cfg.n_morph_classes:
+            return None
+        classes_T = self.morph_classes[ids_T]
+        return MorphRoute(classes_T, cfg.n_morph_classes, cfg.morph_expert_dim, cfg.morph_dispatch)
+
+
+def build_model(cfg: ModelConfig) -> MorphTransformer:
+    """Construct a freshly initialised model on the current default device."""
+    return MorphTransformer(cfg)

@@ -1,0 +1,29 @@
+"""Rotary position embeddings indexed by explicit position ids.
+
+Packed rows restart positions at every segment, so the table is gathered per token instead of
+sliced by offset. Uses the half-rotation layout of Hugging Face Llama so exported weights need
+no permutation.
+"""
+
+# Shape legend: T tokens, H heads, K head dim.
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x_THK: Tensor, cos_TK: Tensor, sin_TK: Tensor) -> Tensor:
+    """Rotate each head of x by its token's angle (math in float32, result in x's dtype)."""
+    x = x_THK.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = x * cos_TK[:, None, :] + rotated * sin_TK[:, None, :]
+    return out.to(x_THK.dtype)
