@@ -1,0 +1,384 @@
+"""The adaptive packing planner (SPEC §3, ``adaptive_document_turn_overlap_v2``).
+
+A plan is a pure, deterministic function of one shard's index and segment records and
+``seq_len``. Training rows are windows of ``seq_len + 1`` tokens. A document that fits is a
+single piece; a longer one becomes a chain of pieces whose continuations start at message
+boundaries and mask the targets an earlier piece already trained. Pieces are then bin-packed
+into windows with best-fit decreasing, so whole documents are never split and every target
+is trained exactly once.
+
+Speed matters: the trainer recomputes the plan at every start, on millions of documents. The
+common case (a document that fits) is handled in bulk with numpy, and best-fit decreasing runs
+on size classes (every item of one size behaves the same), so Python work grows with the number
+of distinct sizes and of long documents, not with the number of documents.
+
+Tie-breaking, which fixes the plan exactly: items are placed largest first, equal sizes in
+(document, piece) order; an item goes to the open window with the least free space that still
+holds it, and among windows with equal free space to the one that reached that free space
+first; otherwise a new window opens. Windows are numbered in opening order and a window's
+pieces are listed in placement order.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from nedolm.data.records import ROLE_ASSISTANT
+
+PIECE_DTYPE = np.dtype(
+    [
+        ("window", "<u8"),  # window number, 0..n-1; a window is the rows sharing it, in row order
+        ("doc", "<u4"),  # row of the document in the shard's index
+        ("start", "<u4"),  # document-relative first token of the piece
+        ("end", "<u4"),  # document-relative end (exclusive)
+        ("target_from", "<u4"),  # targets at document positions < target_from are masked
+    ]
+)
+"""One row per piece of a window; a window's pieces concatenated fill at most seq_len + 1."""
+
+DROP_NO_TARGET = "no_target"
+DROP_MESSAGE_TOO_LONG = "message_too_long"
+DROP_HARD_CONTINUATION = "hard_continuation"
+
+
+class PackingError(ValueError):
+    """Index and segment records that do not describe a valid shard layout."""
+
+
+class PackingCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """Plan totals; additive over shards (``a + b``), written to the packing audit."""
+
+    documents: int = 0
+    windows: int = 0
+    raw_tokens: int = 0  # every document token, EOS included, planned or not
+    valid_context_tokens: int = 0  # tokens placed in windows (overlaps counted again)
+    padded_tokens: int = 0  # windows * (seq_len + 1) - valid_context_tokens
+    assistant_target_tokens: int = 0  # targets trained by the plan (each exactly once)
+    turn_aligned_continuations: int = 0
+    assistant_aligned_continuations: int = 0
+    hard_continuations: int = 0
+
+    def __add__(self, other: PackingCounts) -> PackingCounts:
+        return PackingCounts(
+            **{f: getattr(self, f) + getattr(other, f) for f in self.__struct_fields__}
+        )
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard's windows as pieces (PIECE_DTYPE rows, sorted by window) and its totals."""
+
+    pieces: np.ndarray
+    counts: PackingCounts
+
+    @property
+    def window_offsets(self) -> np.ndarray:
+        """``pieces[offsets[w]:offsets[w + 1]]`` are window ``w``'s pieces (CSR layout)."""
+        return np.searchsorted(
+            self.pieces["window"], np.arange(self.counts.windows + 1, dtype=np.uint64)
+        )
+
+
+def plan_shard(index: np.ndarray, segments: np.ndarray, seq_len: int) -> ShardPlan:
+    """Plan one shard's windows of ``seq_len + 1`` tokens.
+
+    Args:
+        index: INDEX_DTYPE records, one per document.
+        segments: SEGMENT_DTYPE records, one per message, documents in index order.
+        seq_len: model context; windows hold ``seq_len + 1`` tokens.
+
+    Raises:
+        PackingError: the records are inconsistent (segments not contiguous per document,
+            a message outside its document).
+    """
+    window = _window_len(seq_len)
+    seg_doc = _segment_documents(index, segments)
+    token_len = index["token_len"].astype(np.int64)
+    targets = _target_ranges(index, segments, seg_doc)
+    doc_targets = np.bincount(targets.doc, weights=targets.length, minlength=len(index))
+    has_target = doc_targets > 0
+
+    whole = np.flatnonzero(has_target & (token_len <= window))
+    chain_docs, chain_pieces, chains = [], [], []
+    seg_start = index["segment_start"].astype(np.int64)
+    seg_end = seg_start + index["segment_count"]
+    for d in np.flatnonzero(has_target & (token_len > window)).tolist():
+        chain = _plan_chain(segments[seg_start[d] : seg_end[d]], int(token_len[d]), window)
+        chains.append(chain)
+        chain_docs += [d] * len(chain.pieces)
+        chain_pieces += chain.pieces
+    chain_array = np.array(chain_pieces, np.int64).reshape(-1, 3)
+
+    docs = np.concatenate([whole, chain_docs]).astype(np.int64)
+    starts = np.concatenate([np.zeros(len(whole), np.int64), chain_array[:, 0]])
+    ends = np.concatenate([token_len[whole], chain_array[:, 1]])
+    target_from = np.concatenate([np.zeros(len(whole), np.int64), chain_array[:, 2]])
+    sizes = ends - starts
+
+    # Stable sort: equal sizes keep document order, and a chain's pieces keep chain order.
+    order = np.lexsort((docs, -sizes))
+    window_of = np.empty(len(order), np.int64)
+    window_of[order], n_windows = _best_fit_decreasing(sizes[order], window)
+    rows = order[np.argsort(window_of[order], kind="stable")]
+
+    pieces = np.empty(len(rows), PIECE_DTYPE)
+    pieces["window"] = window_of[rows]
+    pieces["doc"] = docs[rows]
+    pieces["start"] = starts[rows]
+    pieces["end"] = ends[rows]
+    pieces["target_from"] = target_from[rows]
+
+    valid = int(sizes.sum())
+    counts = PackingCounts(
+        documents=len(index),
+        windows=n_windows,
+        raw_tokens=int(token_len.sum()),
+        valid_context_tokens=valid,
+        padded_tokens=n_windows * window - valid,
+        assistant_target_tokens=int(piece_target_counts(pieces, index, targets).sum()),
+        turn_aligned_continuations=sum(c.turn_aligned for c in chains),
+        assistant_aligned_continuations=sum(c.assistant_aligned for c in chains),
+        hard_continuations=sum(c.hard for c in chains),
+    )
+    return ShardPlan(pieces=pieces, counts=counts)
+
+
+def document_drop_reason(segments: np.ndarray, seq_len: int) -> str | None:
+    """Why the builder must drop a document (its SEGMENT_DTYPE records), or None to keep it.
+
+    ``no_target``: no trainable token. ``hard_continuation``: a trainable message longer than
+    a window, so some of its targets could only be reached by a window starting inside it
+    (the only way the continuation rule can fail; the property tests check this against the
+    reference planner). ``message_too_long``: a context message longer than a window, which
+    no window could ever show whole.
+    """
+    window = _window_len(seq_len)
+    lengths = segments["length"].astype(np.int64)
+    trainable = (segments["trainable"] != 0) & (lengths > segments["header_len"])
+    if not trainable.any():
+        return DROP_NO_TARGET
+    if (lengths[trainable] > window).any():
+        return DROP_HARD_CONTINUATION
+    if (lengths > window).any():
+        return DROP_MESSAGE_TOO_LONG
+    return None
+
+
+@dataclass(frozen=True)
+class TargetRanges:
+    """Every trainable message's target span, in shard-token coordinates, sorted."""
+
+    doc: np.ndarray  # document row of each span
+    start: np.ndarray  # shard-token position of the span's first target
+    length: np.ndarray
+    before: np.ndarray  # targets in all earlier spans (exclusive prefix sum)
+
+
+def target_ranges(index: np.ndarray, segments: np.ndarray) -> TargetRanges:
+    """Target spans ``[start + header_len, start + length)`` of trainable messages, shard-wide."""
+    return _target_ranges(index, segments, _segment_documents(index, segments))
+
+
+def targets_before(ranges: TargetRanges, positions: np.ndarray) -> np.ndarray:
+    """How many target positions of the shard lie strictly before each shard-token position."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if not len(ranges.start):
+        return np.zeros_like(positions)
+    span = np.searchsorted(ranges.start, positions, side="right") - 1
+    clipped = np.maximum(span, 0)
+    inside = np.clip(positions - ranges.start[clipped], 0, ranges.length[clipped])
+    return np.where(span >= 0, ranges.before[clipped] + inside, 0)
+
+
+def piece_target_counts(pieces: np.ndarray, index: np.ndarray, ranges: TargetRanges) -> np.ndarray:
+    """Targets each piece trains: target positions in ``[max(start, target_from), end)``."""
+    base = index["token_start"].astype(np.int64)[pieces["doc"]]
+    first = base + np.maximum(pieces["start"], pieces["target_from"]).astype(np.int64)
+    end = base + pieces["end"].astype(np.int64)
+    return targets_before(ranges, end) - targets_before(ranges, np.minimum(first, end))
+
+
+def _target_ranges(index: np.ndarray, segments: np.ndarray, seg_doc: np.ndarray) -> TargetRanges:
+    length = segments["length"].astype(np.int64) - segments["header_len"]
+    keep = (segments["trainable"] != 0) & (length > 0)
+    doc = seg_doc[keep]
+    start = (
+        index["token_start"].astype(np.int64)[doc]
+        + segments["start"][keep]
+        + segments["header_len"][keep]
+    )
+    length = length[keep]
+    before = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+    return TargetRanges(doc=doc, start=start, length=length, before=before)
+
+
+def _window_len(seq_len: int) -> int:
+    if seq_len < 1:
+        raise PackingError(f"seq_len must be positive, got {seq_len}")
+    return seq_len + 1
+
+
+def _segment_documents(index: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """Document row of every segment; checks that documents own contiguous segment runs."""
+    count = index["segment_count"].astype(np.int64)
+    expected_start = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+    bad = np.flatnonzero(index["segment_start"].astype(np.int64) != expected_start)
+    if len(bad):
+        raise PackingError(
+            f"document {bad[0]}: segment_start {index['segment_start'][bad[0]]} "
+            f"!= {expected_start[bad[0]]} (segments must be contiguous in document order)"
+        )
+    if int(count.sum()) != len(segments):
+        raise PackingError(f"index counts {int(count.sum())} segments, found {len(segments)}")
+    seg_doc = np.repeat(np.arange(len(index), dtype=np.int64), count)
+    seg_end = segments["start"].astype(np.int64) + segments["length"]
+    outside = np.flatnonzero(seg_end > index["token_len"].astype(np.int64)[seg_doc])
+    if len(outside):
+        raise PackingError(
+            f"segment {outside[0]} of document {seg_doc[outside[0]]} ends at {seg_end[outside[0]]}, "
+            f"past the document's {index['token_len'][seg_doc[outside[0]]]} tokens"
+        )
+    return seg_doc
+
+
+@dataclass
+class _Chain:
+    pieces: list[tuple[int, int, int]]  # (start, end, target_from)
+    turn_aligned: int = 0
+    assistant_aligned: int = 0
+    hard: int = 0
+
+
+def _plan_chain(segments: np.ndarray, doc_len: int, window: int) -> _Chain:
+    """Split one document longer than a window into pieces that train each target once."""
+    starts = segments["start"].tolist()
+    lengths = segments["length"].tolist()
+    headers = segments["header_len"].tolist()
+    roles = segments["role"].tolist()
+    trainable = segments["trainable"].tolist()
+    # latest_context[m]: start of the latest user/system message at or before message m.
+    latest_context, last = [], None
+    for start, role in zip(starts, roles, strict=True):
+        last = start if role != ROLE_ASSISTANT else last
+        latest_context.append(last)
+    spans = [
+        (m, s + h, s + n)
+        for m, (s, n, h, t) in enumerate(zip(starts, lengths, headers, trainable, strict=True))
+        if t and n > h
+    ]
+
+    chain = _Chain(pieces=[])
+    covered, k = 0, 0  # every target before `covered` is trained
+    while True:
+        while k < len(spans) and spans[k][2] <= covered:
+            k += 1
+        if k == len(spans):
+            return chain
+        message, span_start, _ = spans[k]
+        target = max(span_start, covered)
+        if covered == 0 and target < window:
+            start = 0
+        elif latest_context[message] is not None and target - latest_context[message] < window:
+            start = latest_context[message]
+            chain.turn_aligned += 1
+        elif target - starts[message] < window:
+            start = starts[message]
+            chain.assistant_aligned += 1
+        else:  # would start inside the message: keep the target trainable, count it
+            start = target - 1
+            chain.hard += 1
+        end = min(start + window, doc_len)
+        chain.pieces.append((start, end, 0 if start == 0 else target))
+        if end == doc_len:
+            return chain
+        covered = end
+
+
+def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Best-fit decreasing on non-increasing ``sizes`` in ``[1, capacity]``; bin per item.
+
+    Works per size class. Scanning free capacities upward from the item size ``x``, the first
+    non-empty free capacity ``c`` is the best fit; a bin there keeps being the best fit until
+    it has taken ``c // x`` items (every free capacity in ``[x, c)`` is empty), so each bin of
+    a bucket takes ``c // x`` items in FIFO order. New bins are a bottomless bucket at
+    ``capacity``, reached only when no open bin fits.
+    """
+    bin_of = np.empty(len(sizes), np.int64)
+    buckets: dict[int, _Bucket] = {}
+    open_free: list[int] = []  # sorted free capacities whose bucket is non-empty
+    n_bins, pos = 0, 0
+
+    def put(free: int, ids: np.ndarray) -> None:
+        if free == 0 or not len(ids):
+            return
+        if free not in buckets:
+            buckets[free] = _Bucket()
+            insort(open_free, free)
+        buckets[free].push(ids)
+
+    class_ends = np.append(np.flatnonzero(np.diff(sizes)) + 1, len(sizes))
+    for end in class_ends[class_ends > 0].tolist():
+        size = int(sizes[pos])
+        while pos < end:
+            remaining = end - pos
+            i = bisect_left(open_free, size)
+            if i < len(open_free):
+                free = open_free[i]
+                bucket = buckets[free]
+                per_bin = free // size
+                full = bucket.take(min(remaining // per_bin, bucket.size))
+            else:
+                free = capacity
+                bucket = None
+                per_bin = free // size
+                full = np.arange(n_bins, n_bins + remaining // per_bin)
+                n_bins += len(full)
+            bin_of[pos : pos + len(full) * per_bin] = np.repeat(full, per_bin)
+            pos += len(full) * per_bin
+            put(free - per_bin * size, full)
+            remaining = end - pos
+            if 0 < remaining < per_bin and (bucket is None or bucket.size):
+                if bucket is None:
+                    partial = np.array([n_bins])
+                    n_bins += 1
+                else:
+                    partial = bucket.take(1)
+                bin_of[pos:end] = partial[0]
+                pos = end
+                put(free - remaining * size, partial)
+            if bucket is not None and not bucket.size:
+                del buckets[free]
+                open_free.remove(free)
+    return bin_of, n_bins
+
+
+class _Bucket:
+    """FIFO of bin ids stored as numpy chunks, so bulk moves cost O(chunks), not O(bins)."""
+
+    def __init__(self) -> None:
+        self.chunks: deque[np.ndarray] = deque()
+        self.size = 0
+
+    def push(self, ids: np.ndarray) -> None:
+        self.chunks.append(ids)
+        self.size += len(ids)
+
+    def take(self, count: int) -> np.ndarray:
+        taken = []
+        need = count
+        while need:
+            head = self.chunks[0]
+            if len(head) <= need:
+                taken.append(self.chunks.popleft())
+                need -= len(head)
+            else:
+                taken.append(head[:need])
+                self.chunks[0] = head[need:]
+                need = 0
+        self.size -= count
+        return np.concatenate(taken) if taken else np.empty(0, np.int64)

@@ -1,0 +1,100 @@
+"""Synthetic corpora laid out exactly per SPEC §2, for property tests and benchmarks.
+
+Conversations are given as per-message lengths and roles (no tokenizer), and turned into the
+same token, segment and index arrays the builder writes: ``<|mesaj_basla|>`` + header +
+content + ``<|mesaj_bitir|>`` per message, EOS after the last message. Everything is
+vectorised so a benchmark can lay out millions of conversations in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nedolm.data.records import INDEX_DTYPE, ROLE_ASSISTANT, SEGMENT_DTYPE
+
+MESSAGE_START_ID = 32000
+MESSAGE_END_ID = 32001
+EOS_ID = 2
+PAD_ID = 3
+FIRST_CONTENT_ID = 4  # ids below are EOS/pad/specials, never content
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """Messages of many conversations, flattened: conversation ``i`` owns ``counts[i]`` rows."""
+
+    counts: np.ndarray  # messages per conversation
+    role: np.ndarray  # role code per message
+    header_len: np.ndarray  # <|mesaj_basla|> + role header tokens, per message
+    content_len: np.ndarray  # content tokens per message
+    trainable: np.ndarray  # bool per message
+
+    @classmethod
+    def from_lists(cls, conversations: list[list[tuple[int, int, int, bool]]]) -> Conversations:
+        """From ``[[(role, header_len, content_len, trainable), ...], ...]``."""
+        flat = [m for conv in conversations for m in conv]
+        columns = np.array(flat, dtype=np.int64).reshape(-1, 4)
+        return cls(
+            counts=np.array([len(c) for c in conversations], np.int64),
+            role=columns[:, 0],
+            header_len=columns[:, 1],
+            content_len=columns[:, 2],
+            trainable=columns[:, 3].astype(bool),
+        )
+
+
+def layout(conversations: Conversations) -> tuple[np.ndarray, np.ndarray]:
+    """Index and segment records (INDEX_DTYPE, SEGMENT_DTYPE) of the conversations."""
+    counts = conversations.counts.astype(np.int64)
+    length = conversations.header_len + conversations.content_len + 1  # + <|mesaj_bitir|>
+    doc_of = np.repeat(np.arange(len(counts)), counts)
+    first_message = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    running = np.cumsum(length) - length  # exclusive prefix over all messages
+    start_in_doc = running - running[first_message][doc_of] if len(doc_of) else running
+    doc_len = np.bincount(doc_of, weights=length, minlength=len(counts)).astype(np.int64) + 1
+
+    segments = np.empty(len(length), SEGMENT_DTYPE)
+    segments["start"] = start_in_doc
+    segments["length"] = length
+    segments["header_len"] = conversations.header_len
+    segments["role"] = conversations.role
+    segments["trainable"] = conversations.trainable & (conversations.role == ROLE_ASSISTANT)
+
+    index = np.empty(len(counts), INDEX_DTYPE)
+    index["doc_key"] = np.arange(len(counts), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    index["token_start"] = np.concatenate([[0], np.cumsum(doc_len)[:-1]])
+    index["segment_start"] = first_message
+    index["token_len"] = doc_len
+    index["segment_count"] = counts
+    return index, segments
+
+
+def tokens_for(
+    index: np.ndarray, segments: np.ndarray, vocab_size: int = 32000, seed: int = 0
+) -> np.ndarray:
+    """Token ids for a layout: random content, control tokens and EOS where SPEC §2 puts them.
+
+    Header tokens are ``FIRST_CONTENT_ID + role`` so a test can tell roles apart by eye.
+    """
+    total = int(index["token_len"].astype(np.int64).sum())
+    dtype = np.uint16 if vocab_size + 2 <= 1 << 16 else np.uint32
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(FIRST_CONTENT_ID + 3, vocab_size, size=total, dtype=np.int64)
+    doc_of = np.repeat(np.arange(len(index)), index["segment_count"].astype(np.int64))
+    start = index["token_start"].astype(np.int64)[doc_of] + segments["start"]
+    header_len = segments["header_len"].astype(np.int64)
+    in_header = np.repeat(start, header_len) + _ranges(header_len)
+    tokens[in_header] = FIRST_CONTENT_ID + np.repeat(segments["role"].astype(np.int64), header_len)
+    tokens[start] = MESSAGE_START_ID
+    tokens[start + segments["length"] - 1] = MESSAGE_END_ID
+    tokens[index["token_start"].astype(np.int64) + index["token_len"] - 1] = EOS_ID
+    return tokens.astype(dtype)
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(n) for n in lengths])`` without the Python loop."""
+    total = int(lengths.sum())
+    offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total, dtype=np.int64) - offsets
