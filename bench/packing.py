@@ -1,0 +1,176 @@
+"""Benchmark the adaptive packing planner at corpus scale, and its quality on the real data.
+
+    python bench/packing.py measure   # once: real length histograms -> bench/packing_lengths.json
+    python bench/packing.py           # planning time for 2M and 4M synthetic conversations
+
+The synthetic corpus draws conversation shapes (a system message or not, the number of
+user/assistant turns) and per-role content lengths from histograms measured on the Turkish chat
+data in ../shared/data with a real tokenizer, so long documents (chains) are as frequent as in
+the real data. Planning runs on one core: the planner is single-threaded numpy and the script
+pins BLAS/OpenMP to one thread. Times are medians of ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+
+from nedolm.data.packing import PackingCounts, plan_shard
+from nedolm.data.records import ROLE_ASSISTANT, ROLE_SYSTEM, ROLE_USER
+from nedolm.data.synthetic import Conversations, layout
+
+LENGTHS_FILE = Path(__file__).with_name("packing_lengths.json")
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+TOKENIZER = "tokenizer/azadyasar_bpe32k/tokenizer.json"
+ROLE_CODES = {"system": ROLE_SYSTEM, "user": ROLE_USER, "assistant": ROLE_ASSISTANT}
+HEADER_WORDS = {"system": "sistem", "user": "kullanici", "assistant": "asistan"}
+
+
+def measure(data_dir: Path) -> dict:
+    """Histograms of conversation shape and per-role content tokens in ``tr_chat/*.jsonl``."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(data_dir / TOKENIZER))
+    shapes: dict[str, int] = {}
+    lengths: dict[str, dict[int, int]] = {role: {} for role in ROLE_CODES}
+    files = sorted(p for p in (data_dir / "tr_chat").glob("*.jsonl") if "alpaca" not in p.name)
+    for path in files:
+        with path.open(encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        for record in records:
+            roles = [m["role"] for m in record["messages"]]
+            has_system = roles[0] == "system"
+            turns = roles.count("assistant")
+            key = f"{int(has_system)}:{turns}"
+            shapes[key] = shapes.get(key, 0) + 1
+            encoded = tok.encode_batch([m["content"] for m in record["messages"]])
+            for message, ids in zip(record["messages"], encoded, strict=True):
+                hist = lengths[message["role"]]
+                hist[len(ids)] = hist.get(len(ids), 0) + 1
+    headers = {
+        role: 1 + len(tok.encode(f"{word}\n").ids)  # <|mesaj_basla|> + header tokens
+        for role, word in HEADER_WORDS.items()
+    }
+    return {
+        "source": f"{data_dir.name}/tr_chat/*.jsonl (without the alpaca duplicate)",
+        "tokenizer": TOKENIZER,
+        "conversations": sum(shapes.values()),
+        "shapes": dict(sorted(shapes.items())),  # "has_system:assistant_turns" -> count
+        "header_len": headers,
+        "content_tokens": {
+            role: {"values": sorted(h), "counts": [h[v] for v in sorted(h)]}
+            for role, h in lengths.items()
+        },
+    }
+
+
+def synthetic_conversations(params: dict, n: int, seed: int) -> Conversations:
+    """``n`` conversations drawn from the measured histograms (vectorised)."""
+    rng = np.random.default_rng(seed)
+    keys = list(params["shapes"])
+    weights = np.array([params["shapes"][k] for k in keys], np.float64)
+    shape = rng.choice(len(keys), size=n, p=weights / weights.sum())
+    has_system = np.array([int(k.split(":")[0]) for k in keys])[shape]
+    turns = np.array([int(k.split(":")[1]) for k in keys])[shape]
+    counts = has_system + 2 * turns
+    # Message j of a conversation: system first if present, then user/assistant alternating.
+    conv = np.repeat(np.arange(n), counts)
+    j = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    role = np.where(
+        (j == 0) & (has_system[conv] == 1),
+        ROLE_SYSTEM,
+        np.where((j - has_system[conv]) % 2 == 0, ROLE_USER, ROLE_ASSISTANT),
+    )
+    content = np.zeros(len(role), np.int64)
+    header = np.zeros(len(role), np.int64)
+    for name, code in ROLE_CODES.items():
+        hist = params["content_tokens"][name]
+        mask = role == code
+        p = np.array(hist["counts"], np.float64)
+        content[mask] = rng.choice(np.array(hist["values"]), size=int(mask.sum()), p=p / p.sum())
+        header[mask] = params["header_len"][name]
+    return Conversations(
+        counts=counts,
+        role=role,
+        header_len=header,
+        content_len=content,
+        trainable=role == ROLE_ASSISTANT,
+    )
+
+
+def time_planning(
+    index: np.ndarray, segments: np.ndarray, shards: int, seq_len: int
+) -> tuple[float, PackingCounts]:
+    """Seconds to plan the corpus split into ``shards`` equal shards, as the trainer does."""
+    bounds = np.linspace(0, len(index), shards + 1).astype(np.int64)
+    pieces = []
+    for lo, hi in itertools.pairwise(bounds.tolist()):
+        seg_lo = int(index["segment_start"][lo])
+        seg_hi = int(index["segment_start"][hi - 1] + index["segment_count"][hi - 1])
+        shard_index = index[lo:hi].copy()
+        shard_index["segment_start"] -= seg_lo
+        shard_index["token_start"] -= shard_index["token_start"][0]
+        pieces.append((shard_index, segments[seg_lo:seg_hi]))
+    start = time.perf_counter()
+    total = PackingCounts()
+    for shard_index, shard_segments in pieces:
+        total = total + plan_shard(shard_index, shard_segments, seq_len).counts
+    return time.perf_counter() - start, total
+
+
+def bench_planning(args: argparse.Namespace) -> None:
+    params = json.loads(LENGTHS_FILE.read_text(encoding="utf-8"))
+    corpora = {}
+    for n in args.sizes:
+        index, segments = layout(synthetic_conversations(params, n, seed=n))
+        corpora[n] = (index, segments)
+    print(
+        f"{'conversations':>13} {'messages':>11} {'seq_len':>7} {'shards':>6} "
+        f"{'plan s':>7} {'docs/s':>10} {'ratio':>6} {'windows':>10} {'valid':>6} {'cont':>7}"
+    )
+    for seq_len in args.seq_lens:
+        for shards in args.shards:
+            base = None
+            for n, (index, segments) in corpora.items():
+                runs = [
+                    time_planning(index, segments, shards, seq_len) for _ in range(args.repeats)
+                ]
+                median = statistics.median(t for t, _ in runs)
+                base = base or median
+                c = runs[0][1]
+                valid = c.valid_context_tokens / max(1, c.windows * (seq_len + 1))
+                cont = c.turn_aligned_continuations + c.assistant_aligned_continuations
+                print(
+                    f"{n:>13,} {len(segments):>11,} {seq_len:>7} {shards:>6} {median:>7.2f} "
+                    f"{n / median:>10,.0f} {median / base:>6.2f} {c.windows:>10,} {valid:>6.3f} "
+                    f"{cont:>7,}"
+                )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", nargs="?", choices=["plan", "measure"], default="plan")
+    parser.add_argument("--data", type=Path, default=SHARED_DATA)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2_000_000, 4_000_000])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 2048])
+    parser.add_argument("--shards", type=int, nargs="+", default=[64, 1])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.mode == "measure":
+        LENGTHS_FILE.write_text(json.dumps(measure(args.data), indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {LENGTHS_FILE}")
+    else:
+        bench_planning(args)
+
+
+if __name__ == "__main__":
+    main()
