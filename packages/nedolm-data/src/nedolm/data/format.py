@@ -100,10 +100,11 @@ class ArrayWriter:
         os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
+        """Drop the temporary file (a no-op once the file is closed under its name)."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        self._tmp.unlink(missing_ok=True)
+            self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> ArrayWriter:
         return self
@@ -261,6 +262,7 @@ class TokenizerInfo(msgspec.Struct, frozen=True):
     """Which tokenizer built the corpus: enough to refuse a different one later."""
 
     name: str
+    file: str  # the copy inside DATA_DIR, relative to it
     kind: str  # "tokenizers" (tokenizer.json) or "sentencepiece" (.model)
     sha256: str
     base_vocab_size: int

@@ -1,0 +1,572 @@
+"""The corpus builder: chat JSONL + a tokenizer → a verified DATA_DIR (SPEC §2).
+
+Records stream through in chunks, so memory is bounded by the chunk size and the number of
+chunks in flight, whatever the input size. Chunks are parsed and encoded in-process (a
+``tokenizers`` batch encode already uses every core) or in a pool of worker processes
+(``--workers``); results are consumed in input order, so the output is byte-identical for the
+same inputs and options. Everything is written into a temporary directory next to ``out`` and
+renamed into place only after the verifier passed: a crash never leaves a corpus that looks
+valid.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import math
+import multiprocessing
+import os
+import resource
+import shutil
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import numpy as np
+from tqdm import tqdm
+
+from nedolm.data.contract import (
+    SHARD_MANIFEST_FILE,
+    dump_json,
+    manifest_document,
+    write_contract,
+)
+from nedolm.data.format import (
+    KINDS,
+    SHARDS_DIR,
+    SPECIAL_TOKENS_FILE,
+    ArrayWriter,
+    SpecialTokens,
+    shard_file_name,
+)
+from nedolm.data.hashing import ContentDigest, file_sha256
+from nedolm.data.packing import (
+    DROP_HARD_CONTINUATION,
+    DROP_MESSAGE_TOO_LONG,
+    DROP_NO_TARGET,
+    document_drop_reason,
+)
+from nedolm.data.records import INDEX_DTYPE, SEGMENT_DTYPE, token_dtype
+from nedolm.data.sources import (
+    DUPLICATE_RECORD,
+    SPECIAL_TOKEN_IN_CONTENT,
+    Conversation,
+    InputError,
+    RecordPolicy,
+    Rejected,
+    iter_lines,
+    parse_record,
+)
+from nedolm.data.tokenizer import build_special_tokens, load_tokenizer
+from nedolm.data.verify import verify_corpus
+
+TOKENIZER_DIR = "tokenizer"
+PLANNER_DROPS = (DROP_NO_TARGET, DROP_MESSAGE_TOO_LONG, DROP_HARD_CONTINUATION)
+"""Documents the plan cannot use: always dropped and counted, never an error (SPEC §2)."""
+
+
+class BuildError(RuntimeError):
+    """The build cannot produce a corpus (bad options, nothing kept, an occupied ``out``)."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to turn inputs into shards; the same options give byte-identical output."""
+
+    seq_len: int  # the packing audit is computed for this context length
+    shards: int | None = None  # N shards, documents dealt round-robin in input order
+    shard_tokens: int | None = None  # or: fill shards in order up to this many tokens each
+    val_shards: tuple[int, ...] = ()  # shard ids held out for validation
+    val_fraction: float | None = None  # or: hold out the last ceil(fraction * N) shards
+    policy: RecordPolicy = field(default_factory=RecordPolicy)
+    workers: int = 1  # 1: encode in this process; >1: a pool of processes
+    chunk_records: int = 256
+    overwrite: bool = False  # replace an ``out`` that holds a different corpus
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise BuildError(f"--seq-len must be positive, not {self.seq_len}")
+        if self.shards is not None and self.shard_tokens is not None:
+            raise BuildError("give either --shards or --shard-tokens, not both")
+        if self.shards is not None and self.shards < 1:
+            raise BuildError(f"--shards must be at least 1, not {self.shards}")
+        if self.shard_tokens is not None and self.shard_tokens < 1:
+            raise BuildError(f"--shard-tokens must be positive, not {self.shard_tokens}")
+        if self.val_shards and self.val_fraction is not None:
+            raise BuildError("give either --val-shards or --val-fraction, not both")
+        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
+            raise BuildError(f"--val-fraction must be in (0, 1), not {self.val_fraction}")
+        if self.workers < 1 or self.chunk_records < 1:
+            raise BuildError("--workers and the chunk size must be at least 1")
+
+    def validation_ids(self, num_shards: int) -> list[int]:
+        ids = sorted(set(self.val_shards))
+        if self.val_fraction is not None:
+            count = math.ceil(self.val_fraction * num_shards)
+            ids = list(range(num_shards - count, num_shards))
+        if any(not 0 <= i < num_shards for i in ids):
+            raise BuildError(f"validation shard ids {ids} outside 0..{num_shards - 1}")
+        if ids and len(ids) >= num_shards:
+            raise BuildError(f"validation takes all {num_shards} shards; none left to train on")
+        return ids
+
+
+class SourceReport(msgspec.Struct, frozen=True):
+    """One input file's accounting: ``records == kept + sum(dropped.values())``."""
+
+    name: str
+    sha256: str
+    records: int
+    kept: int
+    dropped: dict[str, int]
+
+
+class BuildReport(msgspec.Struct, frozen=True):
+    out: str
+    sources: list[SourceReport]
+    shards: int
+    validation_shard_ids: list[int]
+    documents: int
+    tokens: int
+    identical_rebuild: bool  # ``out`` already held exactly this corpus; nothing changed
+
+    @property
+    def records(self) -> int:
+        return sum(s.records for s in self.sources)
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        total: Counter[str] = Counter()
+        for source in self.sources:
+            total.update(source.dropped)
+        return dict(sorted(total.items()))
+
+
+# --- encoding (runs in worker processes or in-process) ---------------------------------------
+
+
+@dataclass
+class _Kept:
+    line: int
+    doc_key: int
+    tokens: np.ndarray
+    segments: np.ndarray
+    content_lengths: np.ndarray  # <u4, one per message: digest input, straight from the encoder
+    content: np.ndarray  # <u4, every message's content ids concatenated
+
+
+class ChunkEncoder:
+    """Parses and encodes one chunk of lines into documents laid out as SPEC §2 says."""
+
+    def __init__(
+        self, tokenizer_path: Path, specials: SpecialTokens, policy: RecordPolicy, seq_len: int
+    ) -> None:
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.policy = policy
+        self.seq_len = seq_len
+        self.start_id = specials.message_start_id
+        self.end_id = specials.message_end_id
+        self.eos_id = specials.eos_id
+        self.forbidden = {specials.eos_id, specials.pad_id}
+        self.headers = [specials.role_header_token_ids[r] for r in specials.roles]
+        self.dtype = token_dtype(specials.vocab_size)
+
+    def encode(
+        self, source_name: str, lines: Sequence[tuple[int, bytes]]
+    ) -> list[_Kept | Rejected]:
+        parsed = [parse_record(raw, source_name, line, self.policy) for line, raw in lines]
+        convs = [p for p in parsed if isinstance(p, Conversation)]
+        ids = iter(self.tokenizer.encode_batch([m.text for c in convs for m in c.messages]))
+        results: list[_Kept | Rejected] = []
+        for (line, _), record in zip(lines, parsed, strict=True):
+            if isinstance(record, Rejected):
+                results.append(record)
+                continue
+            contents = [next(ids) for _ in record.messages]
+            results.append(self._document(source_name, line, record, contents))
+        return results
+
+    def _document(
+        self, source_name: str, line: int, conv: Conversation, contents: list[list[int]]
+    ) -> _Kept | Rejected:
+        segments = np.empty(len(conv.messages), SEGMENT_DTYPE)
+        tokens: list[int] = []
+        for i, (message, content) in enumerate(zip(conv.messages, contents, strict=True)):
+            if not self.forbidden.isdisjoint(content):
+                return Rejected(
+                    SPECIAL_TOKEN_IN_CONTENT,
+                    f"{source_name}:{line}: message {i} encodes to the EOS or pad id (text such"
+                    " as '</s>' that this tokenizer turns into a special token)",
+                )
+            header = self.headers[message.role]
+            segments[i] = (
+                len(tokens),
+                len(header) + len(content) + 2,
+                len(header) + 1,
+                message.role,
+                message.trainable,
+            )
+            tokens += [self.start_id, *header, *content, self.end_id]
+        tokens.append(self.eos_id)
+        reason = document_drop_reason(segments, self.seq_len)
+        if reason is not None:
+            return Rejected(reason, f"{source_name}:{line}: dropped ({reason})")
+        return _Kept(
+            line=line,
+            doc_key=conv.doc_key,
+            tokens=np.array(tokens, self.dtype),
+            segments=segments,
+            content_lengths=np.array([len(c) for c in contents], "<u4"),
+            content=np.array([t for c in contents for t in c], "<u4"),
+        )
+
+
+_WORKER: ChunkEncoder | None = None
+
+
+def _init_worker(*args: object) -> None:
+    global _WORKER
+    os.environ["RAYON_NUM_THREADS"] = "1"  # one process per core already
+    _WORKER = ChunkEncoder(*args)  # type: ignore[arg-type]
+
+
+def _encode_in_worker(source_name: str, lines: list[tuple[int, bytes]]) -> list[_Kept | Rejected]:
+    assert _WORKER is not None
+    return _WORKER.encode(source_name, lines)
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """One shard's three files plus the digest of its content tokens."""
+
+    def __init__(self, directory: Path, slot: int, dtype: np.dtype) -> None:
+        base = directory / f"part-{slot:05d}"
+        self.tokens = ArrayWriter(base.with_suffix(".tokens.bin"), "tokens", dtype)
+        self.segments = ArrayWriter(base.with_suffix(".segments.bin"), "segments", SEGMENT_DTYPE)
+        self.index = ArrayWriter(base.with_suffix(".index.bin"), "index", INDEX_DTYPE)
+        self.digest = ContentDigest()
+        self.closed = False
+
+    def add(self, doc: _Kept) -> None:
+        record = np.array(
+            [
+                (
+                    doc.doc_key,
+                    self.tokens.count,
+                    self.segments.count,
+                    len(doc.tokens),
+                    len(doc.segments),
+                )
+            ],
+            INDEX_DTYPE,
+        )
+        self.index.write(record)
+        self.tokens.write(doc.tokens)
+        self.segments.write(doc.segments)
+        self.digest.update(doc.content_lengths, doc.content)
+
+    @property
+    def files(self) -> tuple[ArrayWriter, ArrayWriter, ArrayWriter]:
+        return self.tokens, self.segments, self.index
+
+    def close(self) -> None:
+        if not self.closed:
+            for writer in self.files:
+                writer.close()
+            self.closed = True
+
+    def abort(self) -> None:
+        for writer in self.files:
+            writer.abort()
+
+
+class _ShardSink:
+    """Deals kept documents to shards: round-robin over N, or filled in order up to a size."""
+
+    def __init__(self, directory: Path, options: BuildOptions, dtype: np.dtype) -> None:
+        self.directory = directory
+        self.dtype = dtype
+        self.shard_tokens = options.shard_tokens
+        count = options.shards if options.shard_tokens is None else 1
+        _ensure_open_files(3 * (count or 1))
+        self.writers = [_ShardWriter(directory, i, dtype) for i in range(count or 1)]
+        self.documents = 0
+
+    def add(self, doc: _Kept) -> None:
+        if self.shard_tokens is None:
+            writer = self.writers[self.documents % len(self.writers)]
+        else:
+            writer = self.writers[-1]
+            if writer.tokens.count >= self.shard_tokens:
+                writer.close()
+                writer = _ShardWriter(self.directory, len(self.writers), self.dtype)
+                self.writers.append(writer)
+        writer.add(doc)
+        self.documents += 1
+
+    def finish(self) -> list[str]:
+        """Close every shard, give it its final name; return the content digests by shard."""
+        if self.documents < len(self.writers):
+            raise BuildError(
+                f"only {self.documents} documents kept, fewer than the {len(self.writers)} shards"
+            )
+        total = len(self.writers)
+        for slot, writer in enumerate(self.writers):
+            writer.close()
+            for kind, array_writer in zip(KINDS, writer.files, strict=True):
+                os.replace(array_writer.path, self.directory / shard_file_name(slot, total, kind))
+        return [w.digest.hexdigest() for w in self.writers]
+
+    def abort(self) -> None:
+        for writer in self.writers:
+            writer.abort()
+
+
+def _ensure_open_files(needed: int) -> None:
+    """Round-robin keeps three files per shard open; raise the soft limit if that needs it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed + 256
+    if want <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and want > hard:
+        raise BuildError(
+            f"{needed // 3} shards need {want} open files but the limit is {hard};"
+            " use fewer --shards or --shard-tokens"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+# --- the build -------------------------------------------------------------------------------
+
+
+def _chunks(paths: Sequence[Path], size: int) -> Iterator[tuple[int, list[tuple[int, bytes]]]]:
+    for source, path in enumerate(paths):
+        chunk: list[tuple[int, bytes]] = []
+        for item in iter_lines(path):
+            chunk.append(item)
+            if len(chunk) == size:
+                yield source, chunk
+                chunk = []
+        if chunk:
+            yield source, chunk
+
+
+def _encoded_chunks(
+    paths: Sequence[Path], encoder_args: tuple, options: BuildOptions
+) -> Iterator[tuple[int, int, list[_Kept | Rejected]]]:
+    """(source, bytes read, results) per chunk, in input order, at most 2*workers in flight."""
+    names = [p.name for p in paths]
+    chunks = _chunks(paths, options.chunk_records)
+    if options.workers == 1:
+        encoder = ChunkEncoder(*encoder_args)
+        for source, lines in chunks:
+            yield source, sum(len(r) for _, r in lines), encoder.encode(names[source], lines)
+        return
+    context = multiprocessing.get_context("spawn")  # no forked tokenizer thread pools
+    with context.Pool(options.workers, initializer=_init_worker, initargs=encoder_args) as pool:
+        pending: deque = deque()
+        for source, lines in chunks:
+            pending.append(
+                (
+                    source,
+                    sum(len(r) for _, r in lines),
+                    pool.apply_async(_encode_in_worker, (names[source], lines)),
+                )
+            )
+            if len(pending) >= 2 * options.workers:
+                source_done, size, result = pending.popleft()
+                yield source_done, size, result.get()
+        while pending:
+            source_done, size, result = pending.popleft()
+            yield source_done, size, result.get()
+
+
+def build_corpus(
+    inputs: Sequence[Path],
+    tokenizer_path: Path,
+    out: Path,
+    options: BuildOptions,
+    *,
+    progress: bool = False,
+) -> BuildReport:
+    """Build ``out`` from chat JSONL ``inputs``; see the module docstring for the guarantees.
+
+    Raises:
+        InputError: a bad record while the policy says "error" (names file and line).
+        BuildError: empty inputs, nothing kept, too few documents for the shards, or an
+            ``out`` that holds something else.
+        TokenizerError: the tokenizer cannot be loaded.
+    """
+    paths = [Path(p) for p in inputs]
+    _check_inputs(paths)
+    out = Path(out)
+    _check_out(out)
+    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer_file = f"{TOKENIZER_DIR}/{tokenizer.name}"
+    specials = build_special_tokens(tokenizer, tokenizer_file)
+    del tokenizer  # workers load their own; keep one copy in memory at most
+
+    tmp = _fresh_tmp_dir(out)
+    try:
+        shutil.copyfile(tokenizer_path, tmp / tokenizer_file)
+        (tmp / SPECIAL_TOKENS_FILE).write_bytes(dump_json(msgspec.to_builtins(specials)))
+        sink = _ShardSink(tmp / SHARDS_DIR, options, token_dtype(specials.vocab_size))
+        try:
+            sources = _stream(paths, tokenizer_path, specials, options, sink, progress)
+            digests = sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
+        validation_ids = options.validation_ids(len(digests))
+        result = verify_corpus(tmp, options.seq_len, content_sha256=digests)
+        if result.problems:
+            raise BuildError("the built corpus failed verification:\n" + "\n".join(result.problems))
+        build_block = {
+            "sources": [msgspec.to_builtins(s) for s in sources],
+            "content_sha256": digests,
+            "tokenizer_sha256": specials.tokenizer.sha256,
+        }
+        manifest = manifest_document(result.files, validation_ids, build_block)
+        write_contract(tmp, result.report, result.audit, manifest)
+        identical = _install(tmp, out, options.overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BuildReport(
+        out=str(out),
+        sources=sources,
+        shards=len(digests),
+        validation_shard_ids=validation_ids,
+        documents=int(result.report["documents"]),
+        tokens=int(result.report["tokens_including_eos"]),
+        identical_rebuild=identical,
+    )
+
+
+def _stream(
+    paths: Sequence[Path],
+    tokenizer_path: Path,
+    specials: SpecialTokens,
+    options: BuildOptions,
+    sink: _ShardSink,
+    progress: bool,
+) -> list[SourceReport]:
+    records = [0] * len(paths)
+    kept = [0] * len(paths)
+    dropped: list[Counter[str]] = [Counter() for _ in paths]
+    seen: dict[int, str] = {}
+    encoder_args = (Path(tokenizer_path), specials, options.policy, options.seq_len)
+    total_bytes = sum(p.stat().st_size for p in paths)
+    with tqdm(
+        total=total_bytes, unit="B", unit_scale=True, disable=not progress, desc="prepare"
+    ) as bar:
+        for source, size, results in _encoded_chunks(paths, encoder_args, options):
+            for result in results:
+                records[source] += 1
+                if isinstance(result, _Kept) and result.doc_key in seen:
+                    result = Rejected(
+                        DUPLICATE_RECORD,
+                        f"{paths[source].name}:{result.line}: same record id as {seen[result.doc_key]}",
+                    )
+                if isinstance(result, Rejected):
+                    if result.reason not in PLANNER_DROPS and options.policy.stops_on(
+                        result.reason
+                    ):
+                        raise InputError(result.message)
+                    dropped[source][result.reason] += 1
+                    continue
+                seen[result.doc_key] = f"{paths[source].name}:{result.line}"
+                sink.add(result)
+                kept[source] += 1
+            bar.update(size)
+    for path, count in zip(paths, records, strict=True):
+        if count == 0:
+            raise BuildError(f"{path}: holds no records")
+    if not sum(kept):
+        raise BuildError(
+            "no document was kept; see the drop reasons: " + str(sum(dropped, Counter()))
+        )
+    return [
+        SourceReport(
+            name=p.name, sha256=file_sha256(p), records=r, kept=k, dropped=dict(sorted(d.items()))
+        )
+        for p, r, k, d in zip(paths, records, kept, dropped, strict=True)
+    ]
+
+
+def _check_inputs(paths: Sequence[Path]) -> None:
+    if not paths:
+        raise BuildError("no input files given")
+    for path in paths:
+        if not path.is_file():
+            raise BuildError(f"{path}: input file not found")
+
+
+def _check_out(out: Path) -> None:
+    """Refuse early what no rebuild could replace: a file, or a directory that is no corpus."""
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / SHARD_MANIFEST_FILE).exists():
+        raise BuildError(f"{out}: exists, is not empty and holds no corpus; refusing to replace it")
+
+
+def _fresh_tmp_dir(out: Path) -> Path:
+    """``.<out>.tmp-<pid>`` beside ``out``; leftovers of dead builds are removed first."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / SHARDS_DIR).mkdir(parents=True)
+    (tmp / TOKENIZER_DIR).mkdir()
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _install(tmp: Path, out: Path, overwrite: bool) -> bool:
+    """Move the finished corpus to ``out``; True if ``out`` already held the same bytes."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+        return False
+    if _same_tree(tmp, out):
+        shutil.rmtree(tmp)
+        return True
+    if not overwrite:
+        raise BuildError(f"{out}: holds a different corpus; pass --overwrite to replace it")
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.replace(out, old)
+    os.replace(tmp, out)
+    _fsync_dir(out.parent)
+    shutil.rmtree(old)
+    return False
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    return files_a == files_b and all(filecmp.cmp(a / f, b / f, shallow=False) for f in files_a)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

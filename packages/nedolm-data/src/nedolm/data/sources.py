@@ -1,0 +1,214 @@
+"""Reading chat JSONL: OpenAI ``messages`` records and Alpaca ``instruction/input/output`` records.
+
+A record becomes a ``Conversation`` (roles from the registry, content text, trainable flags) or
+a ``Rejected`` with a reason code and a message naming the file and line. Whether a rejection
+stops the build or is dropped and counted is the builder's decision (``RecordPolicy``), so every
+reason is reported the same way either way.
+
+Targets (SPEC §2): only assistant messages are trainable; an assistant message that carries
+``tool_calls`` or says ``"train": false`` is context only. Tool calls are rendered as JSON text
+after the message content so the model still sees them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nedolm.data.records import (
+    MESSAGE_END_TOKEN,
+    MESSAGE_START_TOKEN,
+    ROLE_ASSISTANT,
+    ROLE_NAMES,
+    ROLE_SYSTEM,
+    ROLE_USER,
+)
+
+# Rejection reasons. The first group is bad input (error unless the user drops invalid records);
+# unsupported roles have their own policy.
+INVALID_UTF8 = "invalid_utf8"
+INVALID_JSON = "invalid_json"
+MISSING_MESSAGES = "missing_messages"
+INVALID_MESSAGE = "invalid_message"
+EMPTY_CONTENT = "empty_content"
+NON_STRING_CONTENT = "non_string_content"
+CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
+SPECIAL_TOKEN_IN_CONTENT = "special_token_in_content"
+DUPLICATE_RECORD = "duplicate_record"
+UNSUPPORTED_ROLE = "unsupported_role"
+
+_CONTROL_STRINGS = (MESSAGE_START_TOKEN, MESSAGE_END_TOKEN)
+_ROLE_CODES = {name: code for code, name in enumerate(ROLE_NAMES)}
+
+
+class InputError(ValueError):
+    """Bad input the user asked to stop on; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class RecordPolicy:
+    """What to do with records that cannot become a conversation as they are."""
+
+    invalid_records: str = "error"  # "error" | "drop": malformed JSON, empty content, ...
+    unsupported_roles: str = "error"  # "error" | "drop": a role outside system/user/assistant
+    role_map: dict[str, str] = field(default_factory=dict)  # e.g. {"tool": "user"}
+
+    def __post_init__(self) -> None:
+        for name in ("invalid_records", "unsupported_roles"):
+            if getattr(self, name) not in ("error", "drop"):
+                raise ValueError(f"{name} must be 'error' or 'drop', not {getattr(self, name)!r}")
+        for source, target in self.role_map.items():
+            if target not in _ROLE_CODES:
+                raise ValueError(f"role map {source}={target}: target must be one of {ROLE_NAMES}")
+
+    def stops_on(self, reason: str) -> bool:
+        policy = self.unsupported_roles if reason == UNSUPPORTED_ROLE else self.invalid_records
+        return policy == "error"
+
+
+@dataclass(frozen=True)
+class Message:
+    role: int  # ROLE_SYSTEM / ROLE_USER / ROLE_ASSISTANT
+    text: str
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class Conversation:
+    doc_key: int
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str
+    message: str  # "<file>:<line>: <what is wrong>"
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def doc_key(source_name: str, record_id: str) -> int:
+    """Stable 64-bit key of a record: its file name and its ``id`` (or line number)."""
+    digest = hashlib.blake2b(f"{source_name}\0{record_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes) of every non-blank line; memory is one line."""
+    with Path(path).open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if raw.strip():
+                yield line_no, raw
+
+
+def parse_record(
+    raw: bytes, source_name: str, line_no: int, policy: RecordPolicy
+) -> Conversation | Rejected:
+    """One JSONL line → a conversation, or the first reason it cannot be one."""
+    try:
+        return _parse(raw, source_name, line_no, policy)
+    except _Reject as reject:
+        return Rejected(reject.reason, f"{source_name}:{line_no}: {reject}")
+
+
+def _parse(raw: bytes, source_name: str, line_no: int, policy: RecordPolicy) -> Conversation:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Reject(INVALID_UTF8, f"invalid UTF-8 at byte {exc.start}") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _Reject(INVALID_JSON, f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(record, dict):
+        raise _Reject(INVALID_JSON, f"a record must be a JSON object, not {type(record).__name__}")
+    if "messages" in record:
+        messages = _chat_messages(record["messages"], policy)
+    elif "instruction" in record and "output" in record:
+        messages = _alpaca_messages(record)
+    else:
+        raise _Reject(
+            MISSING_MESSAGES,
+            "no 'messages' list (OpenAI chat) and no 'instruction'/'output' (Alpaca)",
+        )
+    record_id = record.get("id")
+    key_id = str(record_id) if isinstance(record_id, (str, int)) else f"line:{line_no}"
+    return Conversation(doc_key=doc_key(source_name, key_id), messages=messages)
+
+
+def _chat_messages(raw_messages: Any, policy: RecordPolicy) -> tuple[Message, ...]:
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise _Reject(MISSING_MESSAGES, "'messages' must be a non-empty list")
+    messages = []
+    for i, item in enumerate(raw_messages):
+        if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+            raise _Reject(INVALID_MESSAGE, f"message {i} must be an object with a string 'role'")
+        role_name = policy.role_map.get(item["role"], item["role"])
+        if role_name not in _ROLE_CODES:
+            raise _Reject(
+                UNSUPPORTED_ROLE,
+                f"message {i} has role {item['role']!r}; supported: {', '.join(ROLE_NAMES)}"
+                " (map it with --map-role or drop such records with --unsupported-roles drop)",
+            )
+        role = _ROLE_CODES[role_name]
+        tool_calls = item.get("tool_calls") if role == ROLE_ASSISTANT else None
+        train = item.get("train", True)
+        if not isinstance(train, bool):
+            raise _Reject(INVALID_MESSAGE, f"message {i}: 'train' must be true or false")
+        text = _content(item.get("content"), i, allow_empty=bool(tool_calls))
+        if tool_calls:
+            text = _with_tool_calls(text, tool_calls, i)
+        trainable = role == ROLE_ASSISTANT and train and not tool_calls
+        messages.append(Message(role=role, text=text, trainable=trainable))
+    return tuple(messages)
+
+
+def _alpaca_messages(record: dict[str, Any]) -> tuple[Message, ...]:
+    instruction = _content(record["instruction"], "instruction")
+    extra = record.get("input") or ""
+    if not isinstance(extra, str):
+        raise _Reject(NON_STRING_CONTENT, "'input' must be a string")
+    user = f"{instruction}\n\n{_content(extra, 'input')}" if extra.strip() else instruction
+    messages = [Message(ROLE_USER, user, False)]
+    if record.get("system"):
+        messages.insert(0, Message(ROLE_SYSTEM, _content(record["system"], "system"), False))
+    messages.append(Message(ROLE_ASSISTANT, _content(record["output"], "output"), True))
+    return tuple(messages)
+
+
+def _content(value: Any, where: int | str, allow_empty: bool = False) -> str:
+    label = f"message {where}" if isinstance(where, int) else f"'{where}'"
+    if value is None and allow_empty:
+        return ""
+    if not isinstance(value, str):
+        raise _Reject(
+            NON_STRING_CONTENT, f"{label}: content must be a string, not {type(value).__name__}"
+        )
+    if not value.strip() and not allow_empty:
+        raise _Reject(EMPTY_CONTENT, f"{label}: content is empty")
+    for control in _CONTROL_STRINGS:
+        if control in value:
+            raise _Reject(
+                CONTROL_TOKEN_IN_CONTENT,
+                f"{label}: content contains the control string {control!r}"
+                " (already templated text? control tokens are added by the builder)",
+            )
+    return value
+
+
+def _with_tool_calls(text: str, tool_calls: Any, index: int) -> str:
+    """Context text for an assistant tool call: its content, then the calls as JSON."""
+    if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
+        raise _Reject(INVALID_MESSAGE, f"message {index}: 'tool_calls' must be a list of objects")
+    calls = [c.get("function", c) for c in tool_calls]
+    rendered = json.dumps({"tool_calls": calls}, ensure_ascii=False, sort_keys=True)
+    _content(rendered, index)  # the calls' text obeys the same rules as content
+    return f"{text}\n{rendered}" if text.strip() else rendered

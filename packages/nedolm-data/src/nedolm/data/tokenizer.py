@@ -1,0 +1,182 @@
+"""Tokenizer adapters and the corpus's special ids.
+
+Two real formats are supported, each behind an optional extra: a Hugging Face
+``tokenizer.json`` (``tokenizers``; ``.json.gz`` is read too) and a SentencePiece model
+(``sentencepiece``). Both encode content with no special tokens added and with special-token
+strings NOT interpreted, so text typed by a user can never become a control id.
+
+One caveat the builder must still guard against: a ``tokenizers`` Unigram model whose vocabulary
+holds ``</s>`` as a normal piece can pick that piece for the literal text ``</s>`` even with
+special-token parsing off (SentencePiece never does). The builder therefore checks content ids
+against EOS and pad after encoding.
+"""
+
+from __future__ import annotations
+
+import gzip
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from nedolm.data.format import (
+    SPECIAL_TOKENS_SCHEMA,
+    ControlToken,
+    SpecialTokens,
+    TokenizerInfo,
+)
+from nedolm.data.hashing import file_sha256
+from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS
+
+_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
+_PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be loaded or lacks what the corpus needs; names the file."""
+
+
+class TextTokenizer(ABC):
+    """What the builder needs from a tokenizer: batch encoding, decoding and special ids."""
+
+    kind: str
+    path: Path
+    base_vocab_size: int
+    eos_id: int
+    pad_id: int | None  # the tokenizer's own pad id, if it has one
+
+    @abstractmethod
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, no special tokens added, special strings not parsed."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special ids rendered as their strings)."""
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+class HFTokenizer(TextTokenizer):
+    """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` library."""
+
+    kind = "tokenizers"
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise TokenizerError(
+                f"{path}: reading tokenizer.json needs the 'tokenizers' package "
+                "(pip install 'nedolm-data[tokenizers]')"
+            ) from exc
+        self.path = Path(path)
+        try:
+            raw = self.path.read_bytes()
+            if self.path.name.endswith(".gz"):
+                raw = gzip.decompress(raw)
+            self._tok = Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise TokenizerError(f"{path}: not a loadable tokenizer.json: {exc}") from exc
+        self._tok.encode_special_tokens = True  # typed "</s>" is text, not a control token
+        self.base_vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = _first_id(self._tok.token_to_id, _EOS_CANDIDATES)
+        if eos is None:
+            raise TokenizerError(f"{path}: no end-of-sequence token among {_EOS_CANDIDATES}")
+        self.eos_id = eos
+        self.pad_id = _first_id(self._tok.token_to_id, _PAD_CANDIDATES)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+class SentencePieceTokenizer(TextTokenizer):
+    """A SentencePiece ``.model`` (control symbols are never produced from text)."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, path: Path) -> None:
+        try:
+            import sentencepiece
+        except ImportError as exc:
+            raise TokenizerError(
+                f"{path}: reading a SentencePiece model needs the 'sentencepiece' package "
+                "(pip install 'nedolm-data[sentencepiece]')"
+            ) from exc
+        self.path = Path(path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
+        except (OSError, RuntimeError) as exc:
+            raise TokenizerError(f"{path}: not a loadable SentencePiece model: {exc}") from exc
+        self.base_vocab_size = self._sp.get_piece_size()
+        if self._sp.eos_id() < 0:
+            raise TokenizerError(f"{path}: the SentencePiece model defines no EOS id")
+        self.eos_id = self._sp.eos_id()
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts), out_type=int)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode(list(ids))
+
+
+def _first_id(lookup: Callable[[str], int | None], candidates: Sequence[str]) -> int | None:
+    for token in candidates:
+        token_id = lookup(token)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def load_tokenizer(path: Path) -> TextTokenizer:
+    """``*.json`` / ``*.json.gz`` → ``tokenizers``; anything else → SentencePiece."""
+    path = Path(path)
+    if not path.is_file():
+        raise TokenizerError(f"{path}: tokenizer file not found")
+    if path.name.endswith((".json", ".json.gz")):
+        return HFTokenizer(path)
+    return SentencePieceTokenizer(path)
+
+
+def build_special_tokens(tokenizer: TextTokenizer, tokenizer_file: str) -> SpecialTokens:
+    """The corpus's ids (SPEC §2) for ``tokenizer``; ``tokenizer_file`` is its path in DATA_DIR.
+
+    Control ids follow the base vocabulary (32000, 32001 for NedoLM's tokenizer). The pad id is
+    the tokenizer's own if distinct from EOS, else the next free id, so padding is never EOS
+    (EOS starts a new attention segment) and never a control token.
+    """
+    base = tokenizer.base_vocab_size
+    start_id, end_id = base, base + 1
+    pad_id = tokenizer.pad_id
+    if pad_id is None or pad_id == tokenizer.eos_id:
+        pad_id = base + 2
+    headers = tokenizer.encode_batch([f"{word}\n" for word in ROLE_HEADERS.values()])
+    for role, ids in zip(ROLE_HEADERS, headers, strict=True):
+        if not ids:
+            raise TokenizerError(f"{tokenizer.path}: the {role} header encodes to no tokens")
+    return SpecialTokens(
+        schema=SPECIAL_TOKENS_SCHEMA,
+        eos_id=tokenizer.eos_id,
+        pad_id=pad_id,
+        message_start_id=start_id,
+        message_end_id=end_id,
+        vocab_size=max(start_id, end_id, pad_id, tokenizer.eos_id) + 1,
+        control_tokens=[
+            ControlToken(id=start_id, token=MESSAGE_START_TOKEN),
+            ControlToken(id=end_id, token=MESSAGE_END_TOKEN),
+        ],
+        roles=dict(ROLE_HEADERS),
+        role_header_token_ids=dict(zip(ROLE_HEADERS, headers, strict=True)),
+        tokenizer=TokenizerInfo(
+            name=tokenizer.name,
+            file=tokenizer_file,
+            kind=tokenizer.kind,
+            sha256=file_sha256(tokenizer.path),
+            base_vocab_size=base,
+        ),
+    )

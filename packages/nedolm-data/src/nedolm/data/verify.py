@@ -1,0 +1,505 @@
+"""The verifier: recompute every claim of the contract files from the binaries.
+
+``verify_corpus`` reads only SPECIAL_TOKENS.json (the definition of the ids), the tokenizer copy
+and the shard files, and recomputes the FINAL_BINARY_VERIFY_REPORT, the packing audit and the
+manifest's file entries. Each ``*_verified`` key is True only if its check ran and passed; every
+failed check adds a problem that names the shard file or contract file. ``check_corpus`` then
+compares the recomputation with the contract files on disk, so an edited, truncated, flipped or
+deleted file is reported by name.
+
+``content_tokens_exact_vs_source`` compares, per shard, a digest of every message's content
+tokens read back from the binaries with the digest the builder took from the tokenizer's output
+before laying the documents out (kept in SHARD_MANIFEST.json). A later ``verify`` without the
+sources can therefore still prove that the binaries hold exactly what the tokenizer produced.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nedolm.data.contract import (
+    PACKING_AUDIT_FILE,
+    REQUIRED_TRUE,
+    SHARD_MANIFEST_FILE,
+    VERIFY_REPORT_FILE,
+    VERIFY_SCHEMA,
+    DatasetContractError,
+    aggregate_sha256,
+    manifest_document,
+    packing_audit_document,
+    read_contract,
+)
+from nedolm.data.format import (
+    SPECIAL_TOKENS_FILE,
+    Shard,
+    ShardFormatError,
+    SpecialTokens,
+    discover_shards,
+    read_special_tokens,
+)
+from nedolm.data.hashing import ContentDigest, file_sha256, hash_files
+from nedolm.data.packing import PackingCounts, PackingError, plan_shard
+from nedolm.data.records import (
+    MESSAGE_END_TOKEN,
+    MESSAGE_START_TOKEN,
+    ROLE_ASSISTANT,
+    ROLE_HEADERS,
+    ROLE_NAMES,
+)
+
+
+@dataclass
+class ShardFacts:
+    """What one shard's binaries say, and what is wrong with them."""
+
+    documents: int = 0
+    messages: int = 0
+    tokens: int = 0
+    max_token_id: int = -1
+    messages_by_role: list[int] = field(default_factory=lambda: [0] * len(ROLE_NAMES))
+    trainable_messages: int = 0
+    doc_keys: np.ndarray = field(default_factory=lambda: np.empty(0, "<u8"))
+    content_sha256: str = ""
+    counts: PackingCounts | None = None
+    failed: dict[str, list[str]] = field(default_factory=dict)  # check key -> problems
+
+    def fail(self, check: str, problem: str) -> None:
+        self.failed.setdefault(check, []).append(problem)
+
+
+def check_shard(shard: Shard, specials: SpecialTokens, seq_len: int) -> ShardFacts:
+    """Recompute one shard's facts from its three files (vectorised, no per-token Python)."""
+    facts = ShardFacts()
+    name = shard.token_path.name.replace(".tokens.bin", "")
+    try:
+        tokens, segments, index = shard.tokens, shard.segments, shard.index
+    except ShardFormatError as exc:
+        facts.fail("offsets_lengths_exact", str(exc))
+        return facts
+    facts.documents, facts.messages, facts.tokens = len(index), len(segments), len(tokens)
+    facts.doc_keys = np.asarray(index["doc_key"])
+    if len(tokens):
+        facts.max_token_id = int(tokens.max())
+    layout = _check_offsets(name, tokens, segments, index, facts)
+    _check_token_range(name, tokens, specials, facts)
+    _check_roles_and_targets(name, segments, facts)
+    if layout is None:
+        for check in ("structural_control_counts_verified", "header_schema_verified"):
+            facts.fail(check, f"{name}: not checked, the offsets are broken")
+        facts.fail("content_tokens_exact_vs_source", f"{name}: not checked, the offsets are broken")
+        return facts
+    _check_every_document_has_a_target(name, segments, index, facts)
+    _check_controls(name, tokens, segments, index, layout, specials, facts)
+    _check_headers(name, tokens, segments, layout, specials, facts)
+    facts.content_sha256 = _content_digest(tokens, segments, layout)
+    try:
+        facts.counts = plan_shard(index, segments, seq_len).counts
+    except PackingError as exc:
+        facts.fail("packing_plan_verified", f"{name}: the planner refuses the shard: {exc}")
+    return facts
+
+
+def _check_offsets(
+    name: str, tokens: np.ndarray, segments: np.ndarray, index: np.ndarray, facts: ShardFacts
+) -> np.ndarray | None:
+    """Index and segment offsets contiguous and exact; returns absolute message starts."""
+    key = "offsets_lengths_exact"
+    token_len = index["token_len"].astype(np.int64)
+    seg_count = index["segment_count"].astype(np.int64)
+    expected_start = np.cumsum(token_len) - token_len
+    expected_seg = np.cumsum(seg_count) - seg_count
+    bad = []
+    if int(token_len.sum()) != len(tokens):
+        bad.append(f"documents hold {int(token_len.sum())} tokens, the tokens file {len(tokens)}")
+    if int(seg_count.sum()) != len(segments):
+        bad.append(
+            f"documents hold {int(seg_count.sum())} messages, the segments file {len(segments)}"
+        )
+    if not np.array_equal(index["token_start"].astype(np.int64), expected_start):
+        bad.append(
+            f"token_start not contiguous (first bad document {_first(index['token_start'] != expected_start)})"
+        )
+    if not np.array_equal(index["segment_start"].astype(np.int64), expected_seg):
+        bad.append(
+            f"segment_start not contiguous (first bad document {_first(index['segment_start'] != expected_seg)})"
+        )
+    if (seg_count == 0).any():
+        bad.append(f"document {_first(seg_count == 0)} has no message")
+    if bad:
+        for problem in bad:
+            facts.fail(key, f"{name}: {problem}")
+        return None
+    length = segments["length"].astype(np.int64)
+    header_len = segments["header_len"].astype(np.int64)
+    ends = np.cumsum(length)
+    within = (ends - length) - np.repeat((ends - length)[expected_seg], seg_count)
+    if not np.array_equal(segments["start"].astype(np.int64), within):
+        facts.fail(
+            key,
+            f"{name}: messages not contiguous in document {_first_doc(segments['start'] != within, seg_count)}",
+        )
+        return None
+    last = expected_seg + seg_count - 1
+    doc_end = within[last] + length[last]
+    if not np.array_equal(doc_end + 1, token_len):
+        facts.fail(
+            key, f"{name}: messages + EOS do not fill document {_first(doc_end + 1 != token_len)}"
+        )
+        return None
+    if (header_len < 1).any() or (length < header_len + 1).any():
+        facts.fail(
+            key,
+            f"{name}: message {_first((header_len < 1) | (length < header_len + 1))} is shorter than its header and end token",
+        )
+        return None
+    return np.repeat(expected_start, seg_count) + within
+
+
+def _check_token_range(
+    name: str, tokens: np.ndarray, specials: SpecialTokens, facts: ShardFacts
+) -> None:
+    if facts.max_token_id >= specials.vocab_size:
+        facts.fail(
+            "token_id_range_verified",
+            f"{name}: token id {facts.max_token_id} >= vocab_size {specials.vocab_size}",
+        )
+    pads = int(np.count_nonzero(tokens == specials.pad_id))
+    if pads:
+        facts.fail(
+            "token_id_range_verified",
+            f"{name}: the pad id {specials.pad_id} occurs {pads} times inside documents",
+        )
+
+
+def _check_roles_and_targets(name: str, segments: np.ndarray, facts: ShardFacts) -> None:
+    role, trainable = segments["role"], segments["trainable"]
+    if (role >= len(ROLE_NAMES)).any():
+        facts.fail("header_schema_verified", f"{name}: unknown role code {int(role.max())}")
+    facts.messages_by_role = np.bincount(role, minlength=len(ROLE_NAMES))[
+        : len(ROLE_NAMES)
+    ].tolist()
+    facts.trainable_messages = int(np.count_nonzero(trainable))
+    key = "assistant_only_trainable_contract_verified"
+    if (trainable > 1).any():
+        facts.fail(key, f"{name}: trainable flag other than 0/1 in message {_first(trainable > 1)}")
+    if ((trainable != 0) & (role != ROLE_ASSISTANT)).any():
+        facts.fail(
+            key,
+            f"{name}: non-assistant message {_first((trainable != 0) & (role != ROLE_ASSISTANT))} is trainable",
+        )
+
+
+def _check_every_document_has_a_target(
+    name: str, segments: np.ndarray, index: np.ndarray, facts: ShardFacts
+) -> None:
+    """Builders drop documents without targets; one here would be a window of pure context."""
+    seg_count = index["segment_count"].astype(np.int64)
+    per_doc = np.add.reduceat(
+        segments["trainable"].astype(np.int64), np.cumsum(seg_count) - seg_count
+    )
+    if (per_doc == 0).any():
+        facts.fail(
+            "assistant_only_trainable_contract_verified",
+            f"{name}: document {_first(per_doc == 0)} has no trainable message",
+        )
+
+
+def _check_controls(
+    name: str,
+    tokens: np.ndarray,
+    segments: np.ndarray,
+    index: np.ndarray,
+    starts: np.ndarray,
+    specials: SpecialTokens,
+    facts: ShardFacts,
+) -> None:
+    """Control tokens and EOS exactly where the layout puts them, and nowhere else."""
+    key = "structural_control_counts_verified"
+    ends = starts + segments["length"].astype(np.int64) - 1
+    doc_ends = index["token_start"].astype(np.int64) + index["token_len"].astype(np.int64) - 1
+    for what, positions, token_id in (
+        (MESSAGE_START_TOKEN, starts, specials.message_start_id),
+        (MESSAGE_END_TOKEN, ends, specials.message_end_id),
+        ("EOS", doc_ends, specials.eos_id),
+    ):
+        wrong = tokens[positions] != token_id
+        if wrong.any():
+            facts.fail(
+                key,
+                f"{name}: {int(wrong.sum())} positions that must hold {what} do not (first at token {int(positions[_first(wrong)])})",
+            )
+        count = int(np.count_nonzero(tokens == token_id))
+        if count != len(positions):
+            facts.fail(key, f"{name}: {what} occurs {count} times, expected {len(positions)}")
+
+
+def _check_headers(
+    name: str,
+    tokens: np.ndarray,
+    segments: np.ndarray,
+    starts: np.ndarray,
+    specials: SpecialTokens,
+    facts: ShardFacts,
+) -> None:
+    role, header_len = segments["role"], segments["header_len"].astype(np.int64)
+    for code, role_name in enumerate(ROLE_NAMES):
+        header = np.asarray(specials.role_header_token_ids.get(role_name, []), np.int64)
+        mask = role == code
+        if not mask.any():
+            continue
+        if (header_len[mask] != len(header) + 1).any():
+            facts.fail(
+                "header_schema_verified",
+                f"{name}: a {role_name} message has header_len != {len(header) + 1}",
+            )
+            continue
+        got = tokens[starts[mask][:, None] + 1 + np.arange(len(header))]
+        if not (got == header).all():
+            facts.fail(
+                "header_schema_verified",
+                f"{name}: a {role_name} message's header tokens differ from the role header",
+            )
+
+
+def _content_digest(tokens: np.ndarray, segments: np.ndarray, starts: np.ndarray) -> str:
+    header_len = segments["header_len"].astype(np.int64)
+    lengths = segments["length"].astype(np.int64) - header_len - 1
+    first = starts + header_len
+    offsets = np.cumsum(lengths) - lengths
+    positions = (
+        np.arange(int(lengths.sum())) - np.repeat(offsets, lengths) + np.repeat(first, lengths)
+    )
+    digest = ContentDigest()
+    digest.update(lengths, tokens[positions])
+    return digest.hexdigest()
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def _first_doc(message_mask: np.ndarray, seg_count: np.ndarray) -> int:
+    return int(np.searchsorted(np.cumsum(seg_count), _first(message_mask), side="right"))
+
+
+@dataclass
+class VerifyResult:
+    """The recomputed contract: verify report, packing audit, manifest file entries."""
+
+    report: dict[str, Any]
+    audit: dict[str, Any]
+    files: list[dict[str, Any]]
+    problems: list[str]
+
+
+def verify_corpus(
+    data_dir: Path, seq_len: int, content_sha256: list[str] | None, *, workers: int = 8
+) -> VerifyResult:
+    """Recompute the verify report, the packing audit and the file hashes of ``data_dir``.
+
+    Args:
+        seq_len: the context length the packing audit is computed for.
+        content_sha256: per shard, the builder's digest of the tokenizer output; None when
+            unknown, which leaves ``content_tokens_exact_vs_source`` false.
+    """
+    data_dir = Path(data_dir)
+    problems: list[str] = []
+    try:
+        specials = read_special_tokens(data_dir)
+        shards = discover_shards(data_dir)
+    except ShardFormatError as exc:
+        return VerifyResult(
+            report={"schema": VERIFY_SCHEMA, "status": "FAIL"},
+            audit={},
+            files=[],
+            problems=[str(exc)],
+        )
+    binaries = [p for s in shards for p in s.paths]
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        files_future = hasher.submit(hash_files, data_dir, binaries, workers)
+        per_shard = [check_shard(s, specials, seq_len) for s in shards]
+        files = files_future.result()
+
+    failed: dict[str, list[str]] = {}
+    for facts in per_shard:
+        for key, messages in facts.failed.items():
+            failed.setdefault(key, []).extend(messages)
+    _check_special_tokens(data_dir, specials, failed)
+    keys = np.concatenate([f.doc_keys for f in per_shard])
+    if len(np.unique(keys)) != len(keys):
+        failed.setdefault("global_doc_keys_unique", []).append(
+            f"{len(keys) - len(np.unique(keys))} duplicate document keys"
+        )
+    recomputed = [f.content_sha256 for f in per_shard]
+    if content_sha256 is None:
+        failed.setdefault("content_tokens_exact_vs_source", []).append(
+            "no build-time content digests to compare with"
+        )
+    else:
+        for shard, expected, got in zip(shards, content_sha256, recomputed, strict=False):
+            if expected != got:
+                failed.setdefault("content_tokens_exact_vs_source", []).append(
+                    f"{shard.token_path.name}: content tokens differ from the tokenizer output recorded at build"
+                )
+        if len(content_sha256) != len(shards):
+            failed.setdefault("content_tokens_exact_vs_source", []).append(
+                f"{len(content_sha256)} recorded content digests for {len(shards)} shards"
+            )
+
+    counts = [f.counts for f in per_shard]
+    total = sum((c for c in counts if c is not None), PackingCounts())
+    if total.hard_continuations:
+        failed.setdefault("packing_plan_verified", []).append(
+            f"{total.hard_continuations} hard continuations"
+        )
+    for key, messages in sorted(failed.items()):
+        problems.extend(f"{key}: {m}" for m in messages)
+
+    report = {
+        "schema": VERIFY_SCHEMA,
+        "status": "PASS" if not failed else "FAIL",
+        "shards": len(shards),
+        "documents": sum(f.documents for f in per_shard),
+        "messages": sum(f.messages for f in per_shard),
+        "messages_by_role": {
+            n: sum(f.messages_by_role[i] for f in per_shard) for i, n in enumerate(ROLE_NAMES)
+        },
+        "trainable_messages": sum(f.trainable_messages for f in per_shard),
+        "tokens_including_eos": sum(f.tokens for f in per_shard),
+        "max_token_id": max(f.max_token_id for f in per_shard),
+        "vocab_size": specials.vocab_size,
+        "eos_id": specials.eos_id,
+        "pad_id": specials.pad_id,
+        "message_start_id": specials.message_start_id,
+        "message_end_id": specials.message_end_id,
+        "special_tokens_sha256": file_sha256(data_dir / SPECIAL_TOKENS_FILE),
+        "content_sha256": recomputed,
+        **{key: key not in failed for key in (*REQUIRED_TRUE, "packing_plan_verified")},
+    }
+    audit = packing_audit_document(seq_len, counts, "packing_plan_verified" not in failed)
+    return VerifyResult(report=report, audit=audit, files=files, problems=problems)
+
+
+def _check_special_tokens(
+    data_dir: Path, specials: SpecialTokens, failed: dict[str, list[str]]
+) -> None:
+    """The registry is the SPEC's, and its header ids are what the recorded tokenizer encodes."""
+    from nedolm.data.tokenizer import TokenizerError, load_tokenizer
+
+    where = f"{SPECIAL_TOKENS_FILE}:"
+    controls = {c.id: c.token for c in specials.control_tokens}
+    expected_controls = {
+        specials.message_start_id: MESSAGE_START_TOKEN,
+        specials.message_end_id: MESSAGE_END_TOKEN,
+    }
+    if controls != expected_controls:
+        failed.setdefault("structural_control_counts_verified", []).append(
+            f"{where} control tokens {controls} != {expected_controls}"
+        )
+    ids = [specials.eos_id, specials.pad_id, specials.message_start_id, specials.message_end_id]
+    if len(set(ids)) != len(ids) or specials.vocab_size != max(ids) + 1:
+        failed.setdefault("token_id_range_verified", []).append(
+            f"{where} eos/pad/control ids {ids} not distinct or not below vocab_size {specials.vocab_size}"
+        )
+    if specials.roles != ROLE_HEADERS:
+        failed.setdefault("turkish_user_header_verified", []).append(
+            f"{where} roles {specials.roles} != {ROLE_HEADERS}"
+        )
+        return
+    copy = data_dir / specials.tokenizer.file
+    try:
+        if file_sha256(copy) != specials.tokenizer.sha256:
+            raise TokenizerError(
+                f"{copy}: sha256 differs from the one recorded in {SPECIAL_TOKENS_FILE}"
+            )
+        encoded = load_tokenizer(copy).encode_batch([f"{w}\n" for w in ROLE_HEADERS.values()])
+    except (OSError, TokenizerError) as exc:
+        failed.setdefault("turkish_user_header_verified", []).append(
+            f"cannot re-encode the role headers: {exc}"
+        )
+        return
+    for role, ids in zip(ROLE_HEADERS, encoded, strict=True):
+        if specials.role_header_token_ids.get(role) != ids:
+            failed.setdefault("turkish_user_header_verified", []).append(
+                f"{where} {role} header ids {specials.role_header_token_ids.get(role)} != tokenizer's {ids} for {ROLE_HEADERS[role]!r}"
+            )
+
+
+def check_corpus(data_dir: Path, *, workers: int = 8) -> list[str]:
+    """Re-verify an existing DATA_DIR: recompute everything and compare with the files on disk.
+
+    Returns every problem found (empty: the corpus is exactly what its contract files claim),
+    each naming the shard file or contract file and the key that differs.
+    """
+    data_dir = Path(data_dir)
+    try:
+        docs = read_contract(data_dir)
+    except DatasetContractError as exc:
+        return [str(exc)]
+    manifest, audit = docs[SHARD_MANIFEST_FILE], docs[PACKING_AUDIT_FILE]
+    seq_len = audit.get("seq_len")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        return [f"{PACKING_AUDIT_FILE}: seq_len {seq_len!r} is not a positive integer"]
+    build = manifest.get("build") if isinstance(manifest.get("build"), dict) else {}
+    digests = build.get("content_sha256")
+    result = verify_corpus(
+        data_dir, seq_len, digests if isinstance(digests, list) else None, workers=workers
+    )
+    problems = list(result.problems)
+    if not result.files:
+        return problems
+    problems += _diff(VERIFY_REPORT_FILE, docs[VERIFY_REPORT_FILE], result.report)
+    problems += _diff(PACKING_AUDIT_FILE, audit, result.audit)
+    problems += _diff_manifest(manifest, result.files)
+    return problems
+
+
+def _diff(file_name: str, on_disk: dict[str, Any], recomputed: dict[str, Any]) -> list[str]:
+    return [
+        f"{file_name}: {key!r} is {on_disk.get(key, '<missing>')!r}, recomputed {recomputed.get(key, '<missing>')!r}"
+        for key in sorted(set(on_disk) | set(recomputed))
+        if on_disk.get(key) != recomputed.get(key)
+    ]
+
+
+def _diff_manifest(manifest: dict[str, Any], files: list[dict[str, Any]]) -> list[str]:
+    problems = []
+    listed = {e.get("path"): e for e in manifest.get("files", []) if isinstance(e, dict)}
+    actual = {e["path"]: e for e in files}
+    for path in sorted(set(listed) | set(actual), key=str):
+        if path not in actual:
+            problems.append(f"{SHARD_MANIFEST_FILE}: lists {path}, which is not on disk")
+        elif path not in listed:
+            problems.append(f"{SHARD_MANIFEST_FILE}: does not list {path}")
+        elif listed[path] != actual[path]:
+            problems.append(
+                f"{path}: size/sha256 differ from {SHARD_MANIFEST_FILE} (the file changed)"
+            )
+    build = manifest.get("build")
+    ids = manifest.get("validation_shard_ids")
+    expected = manifest_document(
+        files, ids if isinstance(ids, list) else [], build if isinstance(build, dict) else {}
+    )
+    for key in ("schema", "status", "algorithm", "file_count", "shard_count"):
+        if manifest.get(key) != expected[key]:
+            problems.append(
+                f"{SHARD_MANIFEST_FILE}: {key!r} is {manifest.get(key)!r}, expected {expected[key]!r}"
+            )
+    entries = manifest.get("files")
+    if not isinstance(entries, list) or manifest.get("aggregate_sha256") != aggregate_sha256(
+        entries
+    ):
+        problems.append(f"{SHARD_MANIFEST_FILE}: aggregate_sha256 does not match its file entries")
+    shard_count = len(files) // 3
+    if not isinstance(ids, list) or any(
+        not isinstance(i, int) or not 0 <= i < shard_count for i in ids
+    ):
+        problems.append(
+            f"{SHARD_MANIFEST_FILE}: validation_shard_ids {ids!r} are not shard ids below {shard_count}"
+        )
+    return problems
