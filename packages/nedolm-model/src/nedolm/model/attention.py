@@ -169,8 +169,5 @@ def _sdpa_grouped(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, layout: VarlenLay
 
 def causal_sdpa(q_nPHK: Tensor, k_nPGK: Tensor, v_nPGK: Tensor) -> Tensor:
     """Batched causal SDPA on [n, P, heads, K] tensors, returns [n, P, H, K]."""
-    groups = q_nPHK.size(2) // k_nPGK.size(2)
     q, k, v = (t.transpose(1, 2) for t in (q_nPHK, k_nPGK, v_nPGK))
-    if groups > 1:  # explicit repeat keeps CPU on its fused kernel (enable_gqa falls back to math)
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)

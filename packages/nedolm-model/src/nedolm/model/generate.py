@@ -42,16 +42,14 @@ class KVCache:
             raise RuntimeError(f"KV cache holds {self.k_LGK.size(1)} tokens, needs {end}")
         self.k_LGK[layer, start:end] = k_TGK
         self.v_LGK[layer, start:end] = v_TGK
-        n_rep = q_THK.size(1) // k_TGK.size(1)
-        k_HLK, v_HLK = (
-            c[layer, :end].transpose(0, 1).repeat_interleave(n_rep, dim=0).to(q_THK.dtype)
-            for c in (self.k_LGK, self.v_LGK)
+        key_pos_L = torch.arange(end, device=q_THK.device)
+        query_pos_T = torch.arange(start, end, device=q_THK.device)
+        allowed_TL = key_pos_L[None, :] <= query_pos_T[:, None]
+        k_GLK, v_GLK = (
+            c[layer, :end].transpose(0, 1).to(q_THK.dtype) for c in (self.k_LGK, self.v_LGK)
         )
-        key_pos = torch.arange(end, device=q_THK.device)
-        query_pos = torch.arange(start, end, device=q_THK.device)
-        allowed_TL = key_pos[None, :] <= query_pos[:, None]
         out_HTK = F.scaled_dot_product_attention(
-            q_THK.transpose(0, 1), k_HLK, v_HLK, attn_mask=allowed_TL
+            q_THK.transpose(0, 1), k_GLK, v_GLK, attn_mask=allowed_TL, enable_gqa=True
         )
         return out_HTK.transpose(0, 1)
 

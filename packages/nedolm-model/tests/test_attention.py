@@ -1,0 +1,106 @@
+import itertools
+import math
+
+import pytest
+import torch
+
+from nedolm.model import AttentionBackendError, attention_backends, resolve_attn_impl
+from nedolm.model.attention import _padded_length, build_layout, varlen_attention
+
+AVAILABLE = [name for name, why_not in attention_backends().items() if why_not is None]
+
+
+def naive_segment_attention(q, k, v, cu_seqlens):
+    """Float64 softmax(q k^T / sqrt(K) + causal mask) v, one segment at a time."""
+    n_rep = q.size(1) // k.size(1)
+    out = torch.empty_like(q, dtype=torch.float64)
+    bounds = cu_seqlens.tolist()
+    for start, end in itertools.pairwise(bounds):
+        qs = q[start:end].double().transpose(0, 1)
+        ks = k[start:end].double().repeat_interleave(n_rep, dim=1).transpose(0, 1)
+        vs = v[start:end].double().repeat_interleave(n_rep, dim=1).transpose(0, 1)
+        scores = qs @ ks.transpose(1, 2) / math.sqrt(q.size(-1))
+        future = torch.ones(end - start, end - start, dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        out[start:end] = (probs @ vs).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[5, 1, 9, 30, 2, 7, 7, 100], [16, 16, 16], [1], [33, 17, 18, 1, 1, 64]],
+)
+def test_grouped_sdpa_matches_naive_per_segment_attention(lengths: list[int]) -> None:
+    torch.manual_seed(0)
+    total = sum(lengths)
+    q, k, v = torch.randn(total, 4, 8), torch.randn(total, 2, 8), torch.randn(total, 2, 8)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = varlen_attention(q, k, v, build_layout("sdpa", cu_seqlens, None))
+    want = naive_segment_attention(q, k, v, cu_seqlens)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_lengths_are_few_and_cheap() -> None:
+    for length in range(1, 5000):
+        padded = _padded_length(length)
+        assert length <= padded <= max(16, math.ceil(length * 1.125))
+    assert len({_padded_length(n) for n in range(1, 4097)}) <= 80
+
+
+def packed_row_and_documents(vocab: int, lengths: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, vocab, (n,), generator=gen) for n in lengths]
+    return torch.cat(docs)[None, :], docs
+
+
+def run_packed(model, row, lengths):
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None, :]
+    _, logits = model(row, cu_seqlens=bounds, max_seqlen=max(lengths), position_ids=positions)
+    return logits[0].split(lengths)
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+@pytest.mark.parametrize("dispatch", ["masked", "sparse"])
+def test_packed_row_equals_each_conversation_alone(make_model, backend: str, dispatch: str) -> None:
+    device = "cuda" if backend != "sdpa" else "cpu"
+    model = make_model(attn_impl=backend, morph_dispatch=dispatch).to(device).eval()
+    lengths = [5, 1, 9, 23, 9, 17]
+    row, docs = packed_row_and_documents(model.cfg.vocab_size, lengths, seed=1)
+    dtype = torch.bfloat16 if backend != "sdpa" else torch.float32  # kernels are half-only
+    with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=backend != "sdpa"):
+        packed = run_packed(model, row.to(device), lengths)
+        for doc, got in zip(docs, packed, strict=True):
+            _, alone = model(doc[None, :].to(device))
+            tol = dict(atol=1e-5, rtol=1e-5) if backend == "sdpa" else dict(atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(got, alone[0], **tol)
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_no_information_crosses_an_eos_boundary(make_model, backend: str) -> None:
+    device = "cuda" if backend != "sdpa" else "cpu"
+    model = make_model(attn_impl=backend).to(device).eval()
+    lengths = [12, 7, 20, 3]
+    row, _ = packed_row_and_documents(model.cfg.vocab_size, lengths, seed=2)
+    perturbed = row.clone()
+    perturbed[0, 12:19] = torch.randint(3, model.cfg.vocab_size, (7,))  # the second conversation
+    assert not perturbed.equal(row)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=backend != "sdpa"):
+        before = run_packed(model, row.to(device), lengths)
+        after = run_packed(model, perturbed.to(device), lengths)
+    for index in (0, 2, 3):
+        assert torch.equal(before[index], after[index])
+    assert not torch.equal(before[1], after[1])
+
+
+def test_unavailable_backends_are_refused_with_the_reason(make_model) -> None:
+    for name, why_not in attention_backends("cpu").items():
+        if why_not is None:
+            assert resolve_attn_impl(name, "cpu") == name
+            continue
+        with pytest.raises(AttentionBackendError, match=name):
+            resolve_attn_impl(name, "cpu")
+    assert resolve_attn_impl("auto", "cpu") == "sdpa"
+    model = make_model(attn_impl="torch_varlen")
+    with pytest.raises(AttentionBackendError, match="needs a CUDA device"):
+        model(torch.zeros(1, 4, dtype=torch.long))

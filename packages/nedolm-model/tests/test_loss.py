@@ -1,0 +1,131 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nedolm.model import IGNORE_INDEX, fused_linear_cross_entropy, packed_layout
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).detach().norm() / want.detach().norm().clamp_min(1e-30))
+
+
+def sft_batch(vocab_size: int, seed: int = 0, rows: int = 2, seq_len: int = 40):
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (rows, seq_len), generator=gen)
+    input_ids[0, 15] = 2
+    labels = torch.randint(0, vocab_size, (rows, seq_len), generator=gen)
+    labels[torch.rand(rows, seq_len, generator=gen) < 0.6] = IGNORE_INDEX  # 40% targets
+    cu_seqlens, position_ids = packed_layout(input_ids, eos_id=2)
+    return input_ids, labels, dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
+
+
+def loss_and_grads(model, input_ids, labels, layout, *, fused, reduction, fp32_logits):
+    model.zero_grad(set_to_none=True)
+    if fused:
+        loss, logits = model(
+            input_ids,
+            labels,
+            return_logits=False,
+            loss_reduction=reduction,
+            loss_fp32_logits=fp32_logits,
+            **layout,
+        )
+        assert logits is None
+    else:  # naive reference: full logits, then the library cross-entropy
+        _, logits = model(input_ids, **layout)
+        logits = logits.float() if fp32_logits else logits
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction=reduction
+        )
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("fp32_logits", [True, False])
+def test_fused_head_equals_full_logits_cross_entropy(make_model, reduction, fp32_logits) -> None:
+    model = make_model()
+    batch = sft_batch(model.cfg.vocab_size)
+    fused_loss, fused_grads = loss_and_grads(
+        model, *batch, fused=True, reduction=reduction, fp32_logits=fp32_logits
+    )
+    naive_loss, naive_grads = loss_and_grads(
+        model, *batch, fused=False, reduction=reduction, fp32_logits=fp32_logits
+    )
+    assert relative_error(fused_loss, naive_loss) <= 1e-6
+    for name, grad in naive_grads.items():
+        assert relative_error(fused_grads[name], grad) <= 1e-5, name
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("fp32_logits", [True, False])
+def test_bf16_autocast_head_matches_naive_at_bf16_precision(make_model, reduction, fp32_logits):
+    model = make_model()
+    batch = sft_batch(model.cfg.vocab_size, seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        results = [
+            loss_and_grads(model, *batch, fused=f, reduction=reduction, fp32_logits=fp32_logits)
+            for f in (True, False)
+        ]
+    (fused_loss, fused_grads), (naive_loss, naive_grads) = results
+    # fp32 softmax: the same bf16 logits give the same result; a bf16 softmax rounds differently.
+    loss_tol, grad_tol = (1e-5, 1e-5) if fp32_logits else (2e-3, 2e-2)
+    assert relative_error(fused_loss, naive_loss) <= loss_tol
+    for name, grad in naive_grads.items():
+        assert relative_error(fused_grads[name], grad) <= grad_tol, name
+
+
+def test_chunks_padding_rows_and_no_grad_path() -> None:
+    torch.manual_seed(0)
+    vocab, padded = 50, 64
+    hidden = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(padded, 16, requires_grad=True)
+    targets = torch.randint(0, vocab, (23,))
+    # 7 rows per chunk: 4 chunks, the last one short.
+    loss = fused_linear_cross_entropy(
+        hidden,
+        weight,
+        targets,
+        vocab_size=vocab,
+        reduction="sum",
+        fp32_logits=True,
+        chunk_elements=7 * vocab,
+    )
+    (2.5 * loss).backward()
+    hidden_ref = hidden.detach().clone().requires_grad_()
+    weight_ref = weight.detach().clone().requires_grad_()
+    want = F.cross_entropy(hidden_ref @ weight_ref[:vocab].T, targets, reduction="sum")
+    (2.5 * want).backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(hidden.grad, hidden_ref.grad)
+    torch.testing.assert_close(weight.grad, weight_ref.grad)
+    assert (weight.grad[vocab:] == 0).all()
+    with torch.no_grad():
+        again = fused_linear_cross_entropy(
+            hidden, weight, targets, vocab_size=vocab, reduction="sum", fp32_logits=True
+        )
+    torch.testing.assert_close(again, want.detach())
+
+
+def test_no_targets_sum_to_zero_and_bad_reduction_is_refused(make_model) -> None:
+    model = make_model()
+    input_ids = torch.randint(0, model.cfg.vocab_size, (1, 8))
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    loss, _ = model(input_ids, labels, return_logits=False, loss_reduction="sum")
+    loss.backward()
+    assert loss.item() == 0.0
+    with pytest.raises(ValueError, match="loss_reduction"):
+        model(input_ids, labels, return_logits=False, loss_reduction="avg")
+    with pytest.raises(ValueError, match="nothing to compute"):
+        model(input_ids, return_logits=False)
+
+
+def test_checkpointed_blocks_equal_plain_blocks(make_model) -> None:
+    model = make_model()
+    batch = sft_batch(model.cfg.vocab_size, seed=2)
+    plain = loss_and_grads(model, *batch, fused=True, reduction="sum", fp32_logits=True)
+    model.grad_checkpoint = True
+    checkpointed = loss_and_grads(model, *batch, fused=True, reduction="sum", fp32_logits=True)
+    torch.testing.assert_close(checkpointed[0], plain[0], atol=0, rtol=1e-6)
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(checkpointed[1][name], grad, atol=1e-7, rtol=1e-6)

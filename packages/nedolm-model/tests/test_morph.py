@@ -1,0 +1,101 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nedolm.model import morph_classes_from_vocab, packed_layout
+from nedolm.model.morph import CONTINUATION, OTHER, WORD_INITIAL, MorphExperts, MorphRoute
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).detach().norm() / want.detach().norm().clamp_min(1e-30))
+
+
+def test_vocab_rule_on_turkish_pieces() -> None:
+    pieces = {
+        "▁ev": WORD_INITIAL,
+        "▁üzerinden": WORD_INITIAL,
+        "▁ABD": WORD_INITIAL,
+        "ler": CONTINUATION,
+        "ğü": CONTINUATION,
+        "bulunabilirsiniz": CONTINUATION,
+        "▁": OTHER,
+        "▁11": OTHER,
+        "7.5": OTHER,
+        ".": OTHER,
+        "'": OTHER,
+        "▁3D": OTHER,
+        "<s>": OTHER,
+        "<0x0A>": OTHER,
+        "<|mesaj_basla|>": OTHER,
+    }
+    classes = morph_classes_from_vocab(list(pieces))
+    assert classes.dtype == torch.long
+    assert classes.tolist() == list(pieces.values())
+
+
+def test_set_morph_classes_pads_with_the_last_class(make_model) -> None:
+    model = make_model()
+    model.set_morph_classes(torch.tensor([0, 1, 0]))
+    assert model.morph_classes[:3].tolist() == [0, 1, 0]
+    assert (model.morph_classes[3:] == 2).all()
+    assert "morph_classes" in model.state_dict()
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        model.set_morph_classes(torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="at most vocab_size=203"):
+        model.set_morph_classes(torch.zeros(300, dtype=torch.long))
+    with pytest.raises(ValueError, match="dense"):
+        make_model(n_morph_classes=0, morph_expert_dim=0).set_morph_classes(torch.tensor([0]))
+
+
+def slow_experts(experts: MorphExperts, x_TD: torch.Tensor, classes_T: torch.Tensor):
+    """Each token through its own class's expert, one token at a time."""
+    E = experts.expert_dim
+    rows = []
+    for x_D, c in zip(x_TD, classes_T.tolist(), strict=True):
+        gate, up, down = (
+            experts.w_gate[c * E : (c + 1) * E],
+            experts.w_up[c * E : (c + 1) * E],
+            experts.w_down[:, c * E : (c + 1) * E],
+        )
+        rows.append(down @ (F.silu(gate @ x_D) * (up @ x_D)))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dispatch", ["masked", "sparse"])
+def test_dispatch_equals_per_token_experts(dispatch: str) -> None:
+    torch.manual_seed(0)
+    experts = MorphExperts(d_model=32, n_classes=3, expert_dim=8, dispatch=dispatch)
+    for param in experts.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    x_TD = torch.randn(40, 32)
+    classes_T = torch.randint(0, 2, (40,))  # class 2 unused: an empty sparse group
+    got = experts(x_TD, MorphRoute(classes_T, 3, 8, dispatch))
+    torch.testing.assert_close(got, slow_experts(experts, x_TD, classes_T), atol=1e-5, rtol=1e-5)
+
+
+def test_masked_and_sparse_agree_in_loss_and_every_gradient(make_model) -> None:
+    masked = make_model(seed=3, morph_dispatch="masked")
+    sparse = make_model(seed=4, morph_dispatch="sparse")
+    sparse.load_state_dict(masked.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, masked.cfg.vocab_size, (2, 48), generator=gen)
+    input_ids[0, 20] = input_ids[1, 5] = 2  # EOS: packed segments
+    labels = torch.randint(0, masked.cfg.vocab_size, (2, 48), generator=gen)
+    labels[torch.rand(2, 48, generator=gen) < 0.6] = -100
+    cu_seqlens, position_ids = packed_layout(input_ids, eos_id=2)
+    losses = []
+    for model in (masked, sparse):
+        loss, _ = model(
+            input_ids,
+            labels,
+            return_logits=False,
+            loss_reduction="sum",
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+        )
+        loss.backward()
+        losses.append(loss)
+    assert relative_error(losses[1], losses[0]) <= 1e-5
+    grads_sparse = dict(sparse.named_parameters())
+    for name, param in masked.named_parameters():
+        assert relative_error(grads_sparse[name].grad, param.grad) <= 1e-5, name
