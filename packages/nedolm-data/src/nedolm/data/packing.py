@@ -21,13 +21,17 @@ pieces are listed in placement order.
 
 from __future__ import annotations
 
+import zlib
 from bisect import bisect_left, insort
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from nedolm.data.format import Shard, discover_shards
 from nedolm.data.records import ROLE_ASSISTANT
 
 PIECE_DTYPE = np.dtype(
@@ -146,6 +150,51 @@ def plan_shard(index: np.ndarray, segments: np.ndarray, seq_len: int) -> ShardPl
         hard_continuations=sum(c.hard for c in chains),
     )
     return ShardPlan(pieces=pieces, counts=counts)
+
+
+@dataclass(frozen=True)
+class PlannedShard:
+    """A stored shard with its plan at one ``seq_len``: what the stats and the loader consume."""
+
+    shard: Shard
+    seq_len: int
+    plan: ShardPlan
+
+    @property
+    def shard_id(self) -> int:
+        return self.shard.shard_id
+
+    @property
+    def token_path(self) -> Path:
+        return self.shard.token_path
+
+
+def plan_stored_shard(shard: Shard, seq_len: int) -> PlannedShard:
+    """Plan one stored shard; a planning error names the shard's index file."""
+    try:
+        plan = plan_shard(shard.index, shard.segments, seq_len)
+    except PackingError as exc:
+        raise PackingError(f"{shard.index_path}: {exc}") from exc
+    return PlannedShard(shard=shard, seq_len=seq_len, plan=plan)
+
+
+def discover_sft_shards(data_dir: Path, seq_len: int) -> list[PlannedShard]:
+    """Every shard of ``data_dir`` (sorted by id) with its plan, recomputed from the records.
+
+    Raises:
+        ShardFormatError: a missing, truncated or foreign shard file (names the file).
+        PackingError: records the planner cannot use (names the index file).
+    """
+    return [plan_stored_shard(shard, seq_len) for shard in discover_shards(data_dir)]
+
+
+def plan_fingerprint(shards: Sequence[PlannedShard]) -> int:
+    """32-bit CRC of the shard ids, seq_len and every piece: equal iff the plans are equal."""
+    crc = 0
+    for s in shards:
+        crc = zlib.crc32(np.array([s.shard_id, s.seq_len], "<i8").tobytes(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(s.plan.pieces).tobytes(), crc)
+    return crc
 
 
 def document_drop_reason(segments: np.ndarray, seq_len: int) -> str | None:

@@ -9,10 +9,30 @@ vectorised so a benchmark can lay out millions of conversations in seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+import msgspec
 import numpy as np
 
-from nedolm.data.records import INDEX_DTYPE, ROLE_ASSISTANT, SEGMENT_DTYPE
+from nedolm.data.format import (
+    SHARDS_DIR,
+    SPECIAL_TOKENS_FILE,
+    SPECIAL_TOKENS_SCHEMA,
+    ControlToken,
+    SpecialTokens,
+    TokenizerInfo,
+    shard_file_name,
+    write_array,
+)
+from nedolm.data.records import (
+    INDEX_DTYPE,
+    MESSAGE_END_TOKEN,
+    MESSAGE_START_TOKEN,
+    ROLE_ASSISTANT,
+    ROLE_HEADERS,
+    ROLE_NAMES,
+    SEGMENT_DTYPE,
+)
 
 MESSAGE_START_ID = 32000
 MESSAGE_END_ID = 32001
@@ -81,7 +101,7 @@ def tokens_for(
     total = int(index["token_len"].astype(np.int64).sum())
     dtype = np.uint16 if vocab_size + 2 <= 1 << 16 else np.uint32
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(FIRST_CONTENT_ID + 3, vocab_size, size=total, dtype=np.int64)
+    tokens = rng.integers(FIRST_CONTENT_ID + len(ROLE_NAMES), vocab_size, size=total)
     doc_of = np.repeat(np.arange(len(index)), index["segment_count"].astype(np.int64))
     start = index["token_start"].astype(np.int64)[doc_of] + segments["start"]
     header_len = segments["header_len"].astype(np.int64)
@@ -98,3 +118,38 @@ def _ranges(lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.arange(total, dtype=np.int64) - offsets
+
+
+def write_corpus(data_dir: Path, shards: list[Conversations], seed: int = 0) -> None:
+    """Write ``shards`` as a corpus directory (shard files + SPECIAL_TOKENS.json).
+
+    Only what readers of the binaries need: the contract reports are the builder's job.
+    """
+    shards_dir = Path(data_dir) / SHARDS_DIR
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    for shard_id, conversations in enumerate(shards):
+        index, segments = layout(conversations)
+        tokens = tokens_for(index, segments, seed=seed + shard_id)
+        arrays = {"tokens": tokens, "segments": segments, "index": index}
+        for kind, array in arrays.items():
+            write_array(shards_dir / shard_file_name(shard_id, len(shards), kind), kind, array)
+    special = SpecialTokens(
+        schema=SPECIAL_TOKENS_SCHEMA,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        message_start_id=MESSAGE_START_ID,
+        message_end_id=MESSAGE_END_ID,
+        vocab_size=MESSAGE_END_ID + 1,
+        control_tokens=[
+            ControlToken(id=MESSAGE_START_ID, token=MESSAGE_START_TOKEN),
+            ControlToken(id=MESSAGE_END_ID, token=MESSAGE_END_TOKEN),
+        ],
+        roles=dict(ROLE_HEADERS),
+        role_header_token_ids={
+            name: [FIRST_CONTENT_ID + code] for code, name in enumerate(ROLE_NAMES)
+        },
+        tokenizer=TokenizerInfo(  # no tokenizer file: readers show ids
+            name="synthetic", file="", kind="synthetic", sha256="", base_vocab_size=32000
+        ),
+    )
+    (Path(data_dir) / SPECIAL_TOKENS_FILE).write_bytes(msgspec.json.encode(special))
