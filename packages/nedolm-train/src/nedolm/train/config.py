@@ -11,7 +11,7 @@ config works from any current directory. Every default is documented in ``exampl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -159,7 +159,7 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The pretraining run's config, as far as SFT needs it."""
 
-    model: dict[str, object]
+    model: dict[str, Any]
     """Keyword arguments of nedolm.model.ModelConfig."""
     eos_id: int
     """End-of-sequence id of the tokenizer the model was pretrained with."""

@@ -1,0 +1,95 @@
+"""What a run reports: ``metrics.jsonl``, a readable ``train.log``, a progress line, TensorBoard.
+
+``setup_logging`` routes the ``nedolm`` loggers to stderr and ``RUN_DIR/train.log``; INFO comes
+from rank 0 only (``MainRankFilter``), warnings from every rank. ``MetricsWriter`` is used on
+rank 0 only (the loop calls it through ``main_rank_call``): one JSON object per line, flushed per
+line, so a killed job loses nothing already logged. Losses are written at full precision so that
+two runs can be compared bitwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from nedolm.dist import MainRankFilter
+
+try:  # optional: TensorBoard only when it is installed
+    from torch.utils.tensorboard import SummaryWriter
+except ImportError:
+    SummaryWriter = None
+
+LOG_FILE = "train.log"
+METRICS_FILE = "metrics.jsonl"
+_FORMAT = "%(asctime)s [rank %(rank)s] %(levelname)s %(message)s"
+
+
+def setup_logging(run_dir: Path | None) -> None:
+    """Log ``nedolm.*`` to stderr, and to ``run_dir/train.log`` when given (rank 0 writes)."""
+    logger = logging.getLogger("nedolm")
+    logger.setLevel(logging.INFO)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if run_dir is not None:
+        handlers.append(logging.FileHandler(run_dir / LOG_FILE, encoding="utf-8"))
+    for handler in handlers:
+        handler.addFilter(MainRankFilter())
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        logger.addHandler(handler)
+    logger.propagate = False
+
+
+def format_eta(seconds: float) -> str:
+    """``H:MM:SS`` for the progress line."""
+    return str(datetime.timedelta(seconds=max(0, round(seconds))))
+
+
+class MetricsWriter:
+    """Appends metric records to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path) -> None:
+        path = run_dir / METRICS_FILE
+        _drop_partial_last_line(path)
+        self._file = path.open("a", encoding="utf-8")
+        self._tb = SummaryWriter(str(run_dir / "tensorboard")) if SummaryWriter else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One record; ``step`` is the TensorBoard x axis, ``kind`` its tag prefix."""
+        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            prefix = record.get("kind", "train")
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _drop_partial_last_line(path: Path) -> None:
+    """A job killed mid-write leaves half a line; cut it so the file stays valid JSONL."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as handle:
+            handle.truncate(data.rfind(b"\n") + 1)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of ``metrics.jsonl`` in order (for tests, plots and tools)."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]

@@ -1,0 +1,166 @@
+"""One optimizer step: fetch every micro-batch, agree on the global target count, accumulate.
+
+The loss of a step is the exact mean over every assistant target of every micro-batch on every
+rank: each micro-batch's *summed* loss is scaled by ``world_size / global_targets`` (DDP then
+averages over ranks), so short-target micro-batches are not over-weighted as a per-micro-batch
+mean would do. Fetch failures and the target count travel in one SUM all-reduce, so the hot
+path has a single tiny collective and a rank whose loader failed cannot strand its peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nedolm.dist import DistInfo, collect_rank_errors, sum_all
+from nedolm.model import IGNORE_INDEX, packed_layout
+from nedolm.train.faults import maybe_inject
+
+
+class StepError(RuntimeError):
+    """An optimizer step cannot be taken; raised with the same message on every rank."""
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """How the loss is computed (fixed for a run)."""
+
+    assistant_only_head: bool
+    """Fused head: projection + cross-entropy at target positions only."""
+    loss_fp32_logits: bool
+    use_amp: bool
+    """bf16 autocast (CUDA); CPU runs in fp32."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """A loader batch turned into model inputs on the training device."""
+
+    inputs: Tensor  # [B, S] token ids
+    labels: Tensor  # [B, S] next-token targets, IGNORE_INDEX where not trained
+    cu_seqlens: Tensor  # int32 [N + 1] segment offsets (EOS and row starts)
+    position_ids: Tensor  # [B, S], 0 at every segment start
+    targets: int  # number of trained positions
+
+
+def to_micro_batch(batch: dict[str, Tensor], device: torch.device, eos_id: int) -> MicroBatch:
+    """Inputs are tokens[:, :-1]; labels tokens[:, 1:] where trainable_mask[:, 1:] holds."""
+    tokens = batch["tokens"].to(device, dtype=torch.long, non_blocking=True)
+    mask = batch["trainable_mask"][:, 1:]
+    targets = int(mask.sum())  # on the CPU copy: no device sync
+    inputs = tokens[:, :-1]
+    labels = tokens[:, 1:].masked_fill(~mask.to(device, non_blocking=True), IGNORE_INDEX)
+    cu_seqlens, position_ids = packed_layout(inputs, eos_id)
+    return MicroBatch(inputs, labels, cu_seqlens, position_ids, targets)
+
+
+def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
+    """Summed cross-entropy over the micro-batch's targets."""
+    layout = {
+        "cu_seqlens": mb.cu_seqlens,
+        "max_seqlen": mb.inputs.size(1),
+        "position_ids": mb.position_ids,
+    }
+    with torch.autocast(mb.inputs.device.type, dtype=torch.bfloat16, enabled=options.use_amp):
+        if options.assistant_only_head:
+            loss, _ = model(
+                mb.inputs,
+                labels=mb.labels,
+                return_logits=False,
+                loss_reduction="sum",
+                loss_fp32_logits=options.loss_fp32_logits,
+                **layout,
+            )
+            return loss
+        _, logits = model(mb.inputs, return_logits=True, **layout)
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            mb.labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+
+
+def fetch_step_batches(
+    batches: Iterator[dict[str, Any]],
+    *,
+    count: int,
+    info: DistInfo,
+    step: int,
+    eos_id: int,
+    data_state: dict[int, list[int]],
+) -> tuple[list[MicroBatch], int]:
+    """Pull ``count`` micro-batches on every rank; returns them and the global target count.
+
+    ``data_state`` is updated with each loader worker's latest cursor (the loader's
+    ``state`` rows, keyed by global worker id) only when every rank fetched successfully.
+
+    Raises:
+        StepError: on every rank, when any rank failed to fetch or has no target in the step.
+    """
+    micro_batches: list[MicroBatch] = []
+    cursors: dict[int, list[int]] = {}
+    local_error = ""
+    try:
+        maybe_inject("data_fetch", info.rank)
+        for _ in range(count):
+            batch = next(batches)
+            micro_batches.append(to_micro_batch(batch, info.device, eos_id))
+            row = [int(v) for v in batch["state"][-1].tolist()]
+            cursors[row[0]] = row
+        if sum(mb.targets for mb in micro_batches) == 0:
+            raise RuntimeError(f"optimizer step {step} has zero assistant targets on this rank")
+    except Exception as exc:  # reported to every rank below, never raised alone
+        local_error = f"{type(exc).__name__}: {exc}"
+    local_targets = sum(mb.targets for mb in micro_batches)
+    status = torch.tensor(
+        [local_targets, int(bool(local_error))], dtype=torch.int64, device=info.device
+    )
+    global_targets, failed = sum_all(status).tolist()
+    if failed:
+        errors = collect_rank_errors(info, local_error)
+        raise StepError(f"batch fetch failed at optimizer step {step}: " + " | ".join(errors))
+    data_state.update(cursors)
+    return micro_batches, global_targets
+
+
+def train_step(
+    model: nn.Module,
+    params: list[Tensor],
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[MicroBatch],
+    *,
+    global_targets: int,
+    world_size: int,
+    grad_clip: float,
+    options: LossOptions,
+    step: int,
+) -> tuple[Tensor, Tensor]:
+    """Accumulate, clip (refusing non-finite norms) and step; returns (local loss sum, norm).
+
+    ``model`` may be the DDP wrapper: gradients are all-reduced only on the last micro-batch.
+    """
+    scale = world_size / global_targets
+    no_sync = getattr(model, "no_sync", None)
+    local_loss = torch.zeros((), dtype=torch.float32, device=micro_batches[0].inputs.device)
+    for i, mb in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            loss = loss_sum(model, mb, options)
+            (loss * scale).backward()
+        local_loss += loss.detach().float()
+    try:
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            params, grad_clip, foreach=True, error_if_nonfinite=True
+        )
+    except RuntimeError as exc:  # same all-reduced gradients, so every rank raises
+        raise StepError(f"non-finite gradient norm at optimizer step {step}: {exc}") from exc
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return local_loss, grad_norm
