@@ -196,7 +196,7 @@ class ChunkEncoder:
             if not self.forbidden.isdisjoint(content):
                 return Rejected(
                     SPECIAL_TOKEN_IN_CONTENT,
-                    f"{source_name}:{line}: message {i} encodes to the EOS or pad id (text such"
+                    f"{source_name}:{line}: messages[{i}] encodes to the EOS or pad id (text such"
                     " as '</s>' that this tokenizer turns into a special token)",
                 )
             header = self.headers[message.role]

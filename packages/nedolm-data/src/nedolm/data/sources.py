@@ -150,19 +150,19 @@ def _chat_messages(raw_messages: Any, policy: RecordPolicy) -> tuple[Message, ..
     messages = []
     for i, item in enumerate(raw_messages):
         if not isinstance(item, dict) or not isinstance(item.get("role"), str):
-            raise _Reject(INVALID_MESSAGE, f"message {i} must be an object with a string 'role'")
+            raise _Reject(INVALID_MESSAGE, f"messages[{i}] must be an object with a string 'role'")
         role_name = policy.role_map.get(item["role"], item["role"])
         if role_name not in _ROLE_CODES:
             raise _Reject(
                 UNSUPPORTED_ROLE,
-                f"message {i} has role {item['role']!r}; supported: {', '.join(ROLE_NAMES)}"
+                f"messages[{i}] has role {item['role']!r}; supported: {', '.join(ROLE_NAMES)}"
                 " (map it with --map-role or drop such records with --unsupported-roles drop)",
             )
         role = _ROLE_CODES[role_name]
         tool_calls = item.get("tool_calls") if role == ROLE_ASSISTANT else None
         train = item.get("train", True)
         if not isinstance(train, bool):
-            raise _Reject(INVALID_MESSAGE, f"message {i}: 'train' must be true or false")
+            raise _Reject(INVALID_MESSAGE, f"messages[{i}]: 'train' must be true or false")
         text = _content(item.get("content"), i, allow_empty=bool(tool_calls))
         if tool_calls:
             text = _with_tool_calls(text, tool_calls, i)
@@ -185,7 +185,7 @@ def _alpaca_messages(record: dict[str, Any]) -> tuple[Message, ...]:
 
 
 def _content(value: Any, where: int | str, allow_empty: bool = False) -> str:
-    label = f"message {where}" if isinstance(where, int) else f"'{where}'"
+    label = f"messages[{where}]" if isinstance(where, int) else f"'{where}'"
     if value is None and allow_empty:
         return ""
     if not isinstance(value, str):
@@ -207,7 +207,7 @@ def _content(value: Any, where: int | str, allow_empty: bool = False) -> str:
 def _with_tool_calls(text: str, tool_calls: Any, index: int) -> str:
     """Context text for an assistant tool call: its content, then the calls as JSON."""
     if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
-        raise _Reject(INVALID_MESSAGE, f"message {index}: 'tool_calls' must be a list of objects")
+        raise _Reject(INVALID_MESSAGE, f"messages[{index}]: 'tool_calls' must be a list of objects")
     calls = [c.get("function", c) for c in tool_calls]
     rendered = json.dumps({"tool_calls": calls}, ensure_ascii=False, sort_keys=True)
     _content(rendered, index)  # the calls' text obeys the same rules as content

@@ -2,7 +2,7 @@
 
 Two real formats are supported, each behind an optional extra: a Hugging Face
 ``tokenizer.json`` (``tokenizers``; ``.json.gz`` is read too) and a SentencePiece model
-(``sentencepiece``). Both encode content with no special tokens added and with special-token
+(``sentencepiece``; gzipped models too). Both encode content with no special tokens added and with special-token
 strings NOT interpreted, so text typed by a user can never become a control id.
 
 One caveat the builder must still guard against: a ``tokenizers`` Unigram model whose vocabulary
@@ -95,7 +95,7 @@ class HFTokenizer(TextTokenizer):
 
 
 class SentencePieceTokenizer(TextTokenizer):
-    """A SentencePiece ``.model`` (control symbols are never produced from text)."""
+    """A SentencePiece model, ``.gz`` too (control symbols are never produced from text)."""
 
     kind = "sentencepiece"
 
@@ -109,7 +109,10 @@ class SentencePieceTokenizer(TextTokenizer):
             ) from exc
         self.path = Path(path)
         try:
-            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
+            raw = self.path.read_bytes()
+            if self.path.name.endswith(".gz"):
+                raw = gzip.decompress(raw)
+            self._sp = sentencepiece.SentencePieceProcessor(model_proto=raw)
         except (OSError, RuntimeError) as exc:
             raise TokenizerError(f"{path}: not a loadable SentencePiece model: {exc}") from exc
         self.base_vocab_size = self._sp.get_piece_size()

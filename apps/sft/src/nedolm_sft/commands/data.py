@@ -1,0 +1,269 @@
+"""``prepare``, ``verify`` and ``stats``: build, re-check and describe a corpus (nedolm.data)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from nedolm.data.builder import BuildError, BuildOptions, BuildReport, build_corpus
+from nedolm.data.contract import PACKING_AUDIT_FILE
+from nedolm.data.format import ShardFormatError
+from nedolm.data.packing import discover_sft_shards
+from nedolm.data.sources import InputError, RecordPolicy
+from nedolm.data.stats import corpus_stats, packing_quality
+from nedolm.data.summary import corpus_summary
+from nedolm.data.tokenizer import TokenizerError
+from nedolm.data.verify import check_corpus
+
+_USER_ERRORS = (InputError, BuildError, TokenizerError, ShardFormatError)
+
+
+def _role_map(pairs: tuple[str, ...]) -> dict[str, str]:
+    mapping = {}
+    for pair in pairs:
+        source, sep, target = pair.partition("=")
+        if not sep or not source or not target:
+            raise click.BadParameter(f"{pair!r} is not FROM=TO", param_hint="--map-role")
+        mapping[source] = target
+    return mapping
+
+
+def _shard_ids(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not a comma-separated list of shard ids", param_hint="--val-shards"
+        ) from None
+
+
+@click.command()
+@click.argument(
+    "inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option(
+    "--tokenizer",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="tokenizer.json (tokenizers) or SentencePiece .model; .gz works too.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The DATA_DIR to create.",
+)
+@click.option(
+    "--seq-len",
+    required=True,
+    type=click.IntRange(min=1),
+    help="Training context; the packing audit is computed for it.",
+)
+@click.option(
+    "--shards",
+    type=click.IntRange(min=1),
+    help="Number of shards; documents are dealt round-robin (default 1).",
+)
+@click.option(
+    "--shard-tokens",
+    type=click.IntRange(min=1),
+    help="Instead of --shards: fill shards in order up to this many tokens.",
+)
+@click.option(
+    "--val-shards", help="Comma-separated shard ids held out for validation, e.g. 7 or 6,7."
+)
+@click.option(
+    "--val-fraction",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    help="Instead of --val-shards: hold out the last ceil(F * shards) shards.",
+)
+@click.option(
+    "--unsupported-roles",
+    type=click.Choice(["error", "drop"]),
+    default="error",
+    show_default=True,
+    help="A role outside system/user/assistant (e.g. tool): stop, or drop the record and count it.",
+)
+@click.option(
+    "--map-role",
+    multiple=True,
+    metavar="FROM=TO",
+    help="Rename a role before checking it, e.g. tool=user (repeatable).",
+)
+@click.option(
+    "--invalid-records",
+    type=click.Choice(["error", "drop"]),
+    default="error",
+    show_default=True,
+    help="Malformed JSON, empty content, control strings, ...: stop, or drop and count.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Encoding processes; 1 encodes in-process (a tokenizer.json batch already uses every core).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an --out that holds a different corpus.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def prepare(
+    inputs: tuple[Path, ...],
+    tokenizer: Path,
+    out: Path,
+    seq_len: int,
+    shards: int | None,
+    shard_tokens: int | None,
+    val_shards: str | None,
+    val_fraction: float | None,
+    unsupported_roles: str,
+    map_role: tuple[str, ...],
+    invalid_records: str,
+    workers: int,
+    overwrite: bool,
+    progress: bool,
+) -> None:
+    """Build a verified corpus DATA_DIR from chat JSONL INPUTS.
+
+    INPUTS hold OpenAI-style {"messages": [...]} or Alpaca-style instruction/input/output
+    records, one per line. Records without a target or with a message too long for any
+    window are dropped and counted; every input record is accounted for.
+
+    \b
+    Example:
+      nedolm-sft prepare data/*.jsonl --tokenizer tokenizer.json --out corpus/ \\
+          --seq-len 4096 --shards 8 --val-shards 7
+    """
+    try:
+        options = BuildOptions(
+            seq_len=seq_len,
+            shards=shards,
+            shard_tokens=shard_tokens,
+            val_shards=_shard_ids(val_shards),
+            val_fraction=val_fraction,
+            policy=RecordPolicy(
+                invalid_records=invalid_records,
+                unsupported_roles=unsupported_roles,
+                role_map=_role_map(map_role),
+            ),
+            workers=workers,
+            overwrite=overwrite,
+        )
+        started = time.perf_counter()
+        report = build_corpus(inputs, tokenizer, out, options, progress=progress)
+    except (*_USER_ERRORS, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    _echo_report(report, time.perf_counter() - started)
+
+
+def _echo_report(report: BuildReport, seconds: float) -> None:
+    width = max(len(s.name) for s in report.sources)
+    click.echo(f"{'input':<{width}}  {'records':>8}  {'kept':>8}  dropped")
+    for s in report.sources:
+        drops = ", ".join(f"{k} {v}" for k, v in s.dropped.items()) or "-"
+        click.echo(f"{s.name:<{width}}  {s.records:>8}  {s.kept:>8}  {drops}")
+    kept = sum(s.kept for s in report.sources)
+    dropped = report.dropped
+    click.echo(
+        f"records {report.records} = kept {kept} + dropped {sum(dropped.values())}"
+        + "".join(f" ({k} {v})" for k, v in dropped.items())
+    )
+    state = "unchanged (identical rebuild)" if report.identical_rebuild else "written"
+    click.echo(
+        f"{report.out}: {state}; {report.shards} shards, validation {report.validation_shard_ids},"
+        f" {report.documents} documents, {report.tokens} tokens; verify PASS ({seconds:.1f}s)"
+    )
+
+
+@click.command()
+@click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def verify(data_dir: Path) -> None:
+    """Re-verify DATA_DIR: recompute every contract claim from the binaries.
+
+    Exits non-zero and lists every problem (each naming the file) if anything differs.
+
+    \b
+    Example:
+      nedolm-sft verify corpus/
+    """
+    started = time.perf_counter()
+    problems = check_corpus(data_dir)
+    if problems:
+        for problem in problems:
+            click.echo(f"FAIL {problem}", err=True)
+        raise click.ClickException(
+            f"{data_dir}: {len(problems)} problem(s); the corpus is not valid"
+        )
+    click.echo(f"{data_dir}: PASS ({time.perf_counter() - started:.1f}s)")
+
+
+@click.command()
+@click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=1),
+    help="Plan for this context (default: the audited one).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def stats(data_dir: Path, seq_len: int | None, as_json: bool) -> None:
+    """Describe DATA_DIR: counts, role mix, lengths, drops, packing quality.
+
+    \b
+    Example:
+      nedolm-sft stats corpus/ --seq-len 2048
+    """
+    try:
+        if seq_len is None:
+            seq_len = int(
+                json.loads((data_dir / PACKING_AUDIT_FILE).read_text(encoding="utf-8"))["seq_len"]
+            )
+        planned = discover_sft_shards(data_dir, seq_len)
+        result = {
+            "corpus": corpus_summary(data_dir),
+            "packing": corpus_stats(planned, seq_len),
+            "packing_quality": packing_quality(planned, seq_len),
+        }
+    except (*_USER_ERRORS, OSError, KeyError, ValueError) as exc:
+        raise click.ClickException(f"{data_dir}: {exc}") from exc
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True, ensure_ascii=False))
+        return
+    _echo_stats(result, seq_len)
+
+
+def _echo_stats(result: dict, seq_len: int) -> None:
+    corpus, packing, quality = result["corpus"], result["packing"], result["packing_quality"]
+    roles = ", ".join(f"{k} {v}" for k, v in corpus["messages_by_role"].items())
+    click.echo(
+        f"documents {corpus['documents']}, messages {corpus['messages']} ({roles}), tokens {corpus['tokens_including_eos']}"
+    )
+    click.echo(
+        f"assistant messages: trainable {corpus['assistant_trainable_messages']}, context only {corpus['assistant_context_messages']}"
+    )
+    if "dropped" in corpus:
+        drops = ", ".join(f"{k} {v}" for k, v in corpus["dropped"].items()) or "none"
+        click.echo(
+            f"input records {corpus['input_records']}, dropped: {drops}; validation shards {corpus['validation_shard_ids']}"
+        )
+    click.echo(
+        "document tokens: "
+        + "  ".join(f"{k} {v}" for k, v in corpus["document_tokens"]["histogram"].items())
+    )
+    for role, histogram in corpus["message_tokens_by_role"].items():
+        click.echo(f"{role} message tokens: " + "  ".join(f"{k} {v}" for k, v in histogram.items()))
+    click.echo(
+        f"seq_len {seq_len}: windows {packing['windows']}, valid context {packing['valid_context_ratio']:.3f},"
+        f" assistant targets {packing['assistant_target_tokens']} ({packing['assistant_target_ratio']:.3f}),"
+        f" padded {packing['padded_tokens']}, continuations turn {packing['turn_aligned_continuations']}"
+        f" / assistant {packing['assistant_aligned_continuations']} / hard {packing['hard_continuations']}"
+    )
+    for name in ("adaptive", "truncate", "concat_chunk"):
+        q = quality[name]
+        click.echo(
+            f"  {name:<12} rows {q['rows']:>8}  valid context {q['valid_context_ratio']:.3f}"
+            f"  padding {q['padding_ratio']:.3f}  targets lost {q['targets_lost']}"
+        )

@@ -1,0 +1,73 @@
+"""What a corpus holds: counts, role mix, length histograms and the build's drop accounting.
+
+This is the descriptive half of ``nedolm-sft stats``; the packing half (windows, ratios,
+baselines) comes from ``nedolm.data.stats``. Everything is read from the binaries and
+SHARD_MANIFEST.json, vectorised per shard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nedolm.data.contract import SHARD_MANIFEST_FILE
+from nedolm.data.format import discover_shards
+from nedolm.data.records import ROLE_ASSISTANT, ROLE_NAMES
+
+
+def length_histogram(lengths: np.ndarray) -> dict[str, int]:
+    """Counts per power-of-two bucket ``"[lo, hi)"``, for lengths >= 1."""
+    if not len(lengths):
+        return {}
+    exponents = np.floor(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+    counts = np.bincount(exponents)
+    return {f"[{1 << e}, {1 << (e + 1)})": int(c) for e, c in enumerate(counts) if c}
+
+
+def corpus_summary(data_dir: Path) -> dict[str, Any]:
+    """Documents, messages per role, token counts, length histograms, drop reasons."""
+    data_dir = Path(data_dir)
+    shards = discover_shards(data_dir)
+    doc_lengths, message_lengths, roles, trainable = [], [], [], []
+    for shard in shards:
+        doc_lengths.append(np.asarray(shard.index["token_len"], np.int64))
+        segments = shard.segments
+        message_lengths.append(segments["length"].astype(np.int64))
+        roles.append(np.asarray(segments["role"]))
+        trainable.append(np.asarray(segments["trainable"]) != 0)
+    docs = np.concatenate(doc_lengths)
+    lengths, role, train = (np.concatenate(x) for x in (message_lengths, roles, trainable))
+    assistant = role == ROLE_ASSISTANT
+    summary: dict[str, Any] = {
+        "shards": len(shards),
+        "documents": len(docs),
+        "messages": len(lengths),
+        "tokens_including_eos": int(docs.sum()),
+        "messages_by_role": {n: int(np.count_nonzero(role == c)) for c, n in enumerate(ROLE_NAMES)},
+        "assistant_trainable_messages": int(np.count_nonzero(assistant & train)),
+        "assistant_context_messages": int(np.count_nonzero(assistant & ~train)),
+        "document_tokens": {
+            "mean": float(docs.mean()),
+            "max": int(docs.max()),
+            "histogram": length_histogram(docs),
+        },
+        "message_tokens_by_role": {
+            n: length_histogram(lengths[role == c]) for c, n in enumerate(ROLE_NAMES)
+        },
+    }
+    manifest_path = data_dir / SHARD_MANIFEST_FILE
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        sources = manifest.get("build", {}).get("sources", [])
+        dropped: Counter[str] = Counter()
+        for source in sources:
+            dropped.update(source.get("dropped", {}))
+        summary["validation_shard_ids"] = manifest.get("validation_shard_ids", [])
+        summary["input_records"] = sum(s.get("records", 0) for s in sources)
+        summary["dropped"] = dict(sorted(dropped.items()))
+        summary["sources"] = sources
+    return summary
