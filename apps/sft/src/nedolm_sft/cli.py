@@ -51,3 +51,8 @@ def main() -> None:
 from nedolm_sft.commands.plot import plot  # noqa: E402
 
 cli.add_command(plot)
+from nedolm_sft.commands.data import prepare, stats, verify  # noqa: E402
+
+cli.add_command(prepare)
+cli.add_command(verify)
+cli.add_command(stats)
