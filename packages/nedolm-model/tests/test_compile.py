@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from nedolm.model import packed_layout
+from nedolm.model.attention import build_layout
+
+
+def packed_batch(vocab_size: int):
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, vocab_size, (2, 32), generator=gen)
+    input_ids[0, 10] = input_ids[1, 20] = 2
+    labels = torch.randint(0, vocab_size, (2, 32), generator=gen)
+    labels[:, :12] = -100
+    cu_seqlens, position_ids = packed_layout(input_ids, eos_id=2)
+    return input_ids, labels, dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
+
+
+def test_masked_block_traces_as_one_graph(make_model) -> None:
+    model = make_model(morph_dispatch="masked")
+    input_ids, _, layout = packed_batch(model.cfg.vocab_size)
+    ids_T, positions_T = input_ids.reshape(-1), layout["position_ids"].reshape(-1)
+    args = (
+        model.tok_embeddings(ids_T),
+        model.rope_cos[positions_T],
+        model.rope_sin[positions_T],
+        build_layout("sdpa", layout["cu_seqlens"], None),
+        model._route(ids_T),
+    )
+    explanation = torch._dynamo.explain(model.blocks[0])(*args)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def train_steps(model, batch, steps: int) -> list[float]:
+    input_ids, labels, layout = batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        loss, _ = model(input_ids, labels, return_logits=False, loss_reduction="sum", **layout)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def assert_compiled_training_matches_eager(make_model, backend: str, tol: float) -> None:
+    eager, compiled = make_model(seed=1), make_model(seed=2)
+    compiled.load_state_dict(eager.state_dict())
+    batch = packed_batch(eager.cfg.vocab_size)
+    torch._dynamo.reset()
+    want = train_steps(eager, batch, 3)
+    got = train_steps(torch.compile(compiled, backend=backend), batch, 3)
+    torch.testing.assert_close(got, want, atol=0, rtol=tol)
+    for (name, param), ref in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(param, ref, atol=tol, rtol=tol, msg=name)
+
+
+def test_compiled_forward_backward_matches_eager(make_model) -> None:
+    assert_compiled_training_matches_eager(make_model, "aot_eager", 1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_training_matches_eager(make_model) -> None:
+    assert_compiled_training_matches_eager(make_model, "inductor", 1e-4)
