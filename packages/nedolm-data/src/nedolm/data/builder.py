@@ -58,7 +58,7 @@ from nedolm.data.sources import (
     iter_lines,
     parse_record,
 )
-from nedolm.data.tokenizer import build_special_tokens, load_tokenizer
+from nedolm.data.tokenizer import TextTokenizer, build_special_tokens, load_tokenizer
 from nedolm.data.verify import verify_corpus
 
 TOKENIZER_DIR = "tokenizer"
@@ -160,9 +160,10 @@ class ChunkEncoder:
     """Parses and encodes one chunk of lines into documents laid out as SPEC §2 says."""
 
     def __init__(
-        self, tokenizer_path: Path, specials: SpecialTokens, policy: RecordPolicy, seq_len: int
+        self, tokenizer: TextTokenizer, specials: SpecialTokens, policy: RecordPolicy, seq_len: int
     ) -> None:
-        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.tokenizer = tokenizer
+        self.specials = specials
         self.policy = policy
         self.seq_len = seq_len
         self.start_id = specials.message_start_id
@@ -225,10 +226,12 @@ class ChunkEncoder:
 _WORKER: ChunkEncoder | None = None
 
 
-def _init_worker(*args: object) -> None:
+def _init_worker(
+    tokenizer_path: Path, specials: SpecialTokens, policy: RecordPolicy, seq_len: int
+) -> None:
     global _WORKER
     os.environ["RAYON_NUM_THREADS"] = "1"  # one process per core already
-    _WORKER = ChunkEncoder(*args)  # type: ignore[arg-type]
+    _WORKER = ChunkEncoder(load_tokenizer(tokenizer_path), specials, policy, seq_len)
 
 
 def _encode_in_worker(source_name: str, lines: list[tuple[int, bytes]]) -> list[_Kept | Rejected]:
@@ -355,18 +358,18 @@ def _chunks(paths: Sequence[Path], size: int) -> Iterator[tuple[int, list[tuple[
 
 
 def _encoded_chunks(
-    paths: Sequence[Path], encoder_args: tuple, options: BuildOptions
+    paths: Sequence[Path], encoder: ChunkEncoder, options: BuildOptions
 ) -> Iterator[tuple[int, int, list[_Kept | Rejected]]]:
     """(source, bytes read, results) per chunk, in input order, at most 2*workers in flight."""
     names = [p.name for p in paths]
     chunks = _chunks(paths, options.chunk_records)
     if options.workers == 1:
-        encoder = ChunkEncoder(*encoder_args)
         for source, lines in chunks:
             yield source, sum(len(r) for _, r in lines), encoder.encode(names[source], lines)
         return
     context = multiprocessing.get_context("spawn")  # no forked tokenizer thread pools
-    with context.Pool(options.workers, initializer=_init_worker, initargs=encoder_args) as pool:
+    init = (encoder.tokenizer.path, encoder.specials, options.policy, options.seq_len)
+    with context.Pool(options.workers, initializer=_init_worker, initargs=init) as pool:
         pending: deque = deque()
         for source, lines in chunks:
             pending.append(
@@ -407,7 +410,7 @@ def build_corpus(
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer_file = f"{TOKENIZER_DIR}/{tokenizer.name}"
     specials = build_special_tokens(tokenizer, tokenizer_file)
-    del tokenizer  # workers load their own; keep one copy in memory at most
+    encoder = ChunkEncoder(tokenizer, specials, options.policy, options.seq_len)
 
     tmp = _fresh_tmp_dir(out)
     try:
@@ -415,13 +418,13 @@ def build_corpus(
         (tmp / SPECIAL_TOKENS_FILE).write_bytes(dump_json(msgspec.to_builtins(specials)))
         sink = _ShardSink(tmp / SHARDS_DIR, options, token_dtype(specials.vocab_size))
         try:
-            sources = _stream(paths, tokenizer_path, specials, options, sink, progress)
+            sources = _stream(paths, encoder, options, sink, progress)
             digests = sink.finish()
         except BaseException:
             sink.abort()
             raise
         validation_ids = options.validation_ids(len(digests))
-        result = verify_corpus(tmp, options.seq_len, content_sha256=digests)
+        result = verify_corpus(tmp, options.seq_len, content_sha256=digests, tokenizer=tokenizer)
         if result.problems:
             raise BuildError("the built corpus failed verification:\n" + "\n".join(result.problems))
         build_block = {
@@ -448,8 +451,7 @@ def build_corpus(
 
 def _stream(
     paths: Sequence[Path],
-    tokenizer_path: Path,
-    specials: SpecialTokens,
+    encoder: ChunkEncoder,
     options: BuildOptions,
     sink: _ShardSink,
     progress: bool,
@@ -458,12 +460,11 @@ def _stream(
     kept = [0] * len(paths)
     dropped: list[Counter[str]] = [Counter() for _ in paths]
     seen: dict[int, str] = {}
-    encoder_args = (Path(tokenizer_path), specials, options.policy, options.seq_len)
     total_bytes = sum(p.stat().st_size for p in paths)
     with tqdm(
         total=total_bytes, unit="B", unit_scale=True, disable=not progress, desc="prepare"
     ) as bar:
-        for source, size, results in _encoded_chunks(paths, encoder_args, options):
+        for source, size, results in _encoded_chunks(paths, encoder, options):
             for result in results:
                 records[source] += 1
                 if isinstance(result, _Kept) and result.doc_key in seen:
@@ -482,9 +483,6 @@ def _stream(
                 sink.add(result)
                 kept[source] += 1
             bar.update(size)
-    for path, count in zip(paths, records, strict=True):
-        if count == 0:
-            raise BuildError(f"{path}: holds no records")
     if not sum(kept):
         raise BuildError(
             "no document was kept; see the drop reasons: " + str(sum(dropped, Counter()))
@@ -503,6 +501,8 @@ def _check_inputs(paths: Sequence[Path]) -> None:
     for path in paths:
         if not path.is_file():
             raise BuildError(f"{path}: input file not found")
+        if next(iter_lines(path), None) is None:
+            raise BuildError(f"{path}: holds no records")
 
 
 def _check_out(out: Path) -> None:

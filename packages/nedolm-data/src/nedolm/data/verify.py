@@ -51,6 +51,7 @@ from nedolm.data.records import (
     ROLE_HEADERS,
     ROLE_NAMES,
 )
+from nedolm.data.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
 
 
 @dataclass
@@ -298,7 +299,12 @@ class VerifyResult:
 
 
 def verify_corpus(
-    data_dir: Path, seq_len: int, content_sha256: list[str] | None, *, workers: int = 8
+    data_dir: Path,
+    seq_len: int,
+    content_sha256: list[str] | None,
+    *,
+    tokenizer: TextTokenizer | None = None,
+    workers: int = 8,
 ) -> VerifyResult:
     """Recompute the verify report, the packing audit and the file hashes of ``data_dir``.
 
@@ -306,6 +312,9 @@ def verify_corpus(
         seq_len: the context length the packing audit is computed for.
         content_sha256: per shard, the builder's digest of the tokenizer output; None when
             unknown, which leaves ``content_tokens_exact_vs_source`` false.
+        tokenizer: the recorded tokenizer, already loaded (the builder's); by default the
+            copy in ``data_dir`` is loaded to re-encode the role headers.
+        workers: threads hashing files.
     """
     data_dir = Path(data_dir)
     problems: list[str] = []
@@ -329,7 +338,7 @@ def verify_corpus(
     for facts in per_shard:
         for key, messages in facts.failed.items():
             failed.setdefault(key, []).extend(messages)
-    _check_special_tokens(data_dir, specials, failed)
+    _check_special_tokens(data_dir, specials, tokenizer, failed)
     keys = np.concatenate([f.doc_keys for f in per_shard])
     if len(np.unique(keys)) != len(keys):
         failed.setdefault("global_doc_keys_unique", []).append(
@@ -386,11 +395,12 @@ def verify_corpus(
 
 
 def _check_special_tokens(
-    data_dir: Path, specials: SpecialTokens, failed: dict[str, list[str]]
+    data_dir: Path,
+    specials: SpecialTokens,
+    tokenizer: TextTokenizer | None,
+    failed: dict[str, list[str]],
 ) -> None:
     """The registry is the SPEC's, and its header ids are what the recorded tokenizer encodes."""
-    from nedolm.data.tokenizer import TokenizerError, load_tokenizer
-
     where = f"{SPECIAL_TOKENS_FILE}:"
     controls = {c.id: c.token for c in specials.control_tokens}
     expected_controls = {
@@ -417,7 +427,8 @@ def _check_special_tokens(
             raise TokenizerError(
                 f"{copy}: sha256 differs from the one recorded in {SPECIAL_TOKENS_FILE}"
             )
-        encoded = load_tokenizer(copy).encode_batch([f"{w}\n" for w in ROLE_HEADERS.values()])
+        tokenizer = tokenizer or load_tokenizer(copy)
+        encoded = tokenizer.encode_batch([f"{w}\n" for w in ROLE_HEADERS.values()])
     except (OSError, TokenizerError) as exc:
         failed.setdefault("turkish_user_header_verified", []).append(
             f"cannot re-encode the role headers: {exc}"
