@@ -160,7 +160,7 @@ def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
         return
     layouts = _all_gather("broadcast_module_state", _layout(module))
     failures = {
-        rank: f"module differs from rank {src}'s: {_first_difference(layouts[src], layout)}"
+        rank: f"module differs: {_first_difference(layouts[src], layout, src)}"
         for rank, layout in enumerate(layouts)
         if layout != layouts[src]
     }
@@ -227,8 +227,13 @@ def _layout(module: torch.nn.Module) -> Layout:
     return [(name, tuple(t.shape), str(t.dtype), t.device.type) for name, t in named]
 
 
-def _first_difference(reference: Layout, layout: Layout) -> str:
+def _first_difference(reference: Layout, layout: Layout, src: int) -> str:
     for ours, theirs in zip(layout, reference):
         if ours != theirs:
-            return f"{ours[0]} {ours[1:]} vs {theirs[0]} {theirs[1:]}"
-    return f"{len(layout)} tensors vs {len(reference)}"
+            return f"{_describe_entry(ours)} here, {_describe_entry(theirs)} on rank {src}"
+    return f"{len(layout)} tensors here, {len(reference)} on rank {src}"
+
+
+def _describe_entry(entry: tuple[str, tuple[int, ...], str, str]) -> str:
+    name, shape, dtype, device = entry
+    return f"{name} {list(shape)} {dtype.removeprefix('torch.')} on {device}"
