@@ -56,3 +56,9 @@ from nedolm_sft.commands.data import prepare, stats, verify  # noqa: E402
 cli.add_command(prepare)
 cli.add_command(verify)
 cli.add_command(stats)
+from nedolm_sft.commands.export import export  # noqa: E402
+from nedolm_sft.commands.generate import chat, generate  # noqa: E402
+
+cli.add_command(export)
+cli.add_command(generate)
+cli.add_command(chat)

@@ -1,0 +1,182 @@
+"""A trained model together with what it needs to chat: its tokenizer and the corpus specials.
+
+Both places a user points the app at resolve to the same bundle: a run directory (newest SFT
+checkpoint, base config, and the prepared corpus the run trained on) or an export directory
+(written by ``nedolm-sft export``). Prompts are rendered with exactly the document layout the
+builder used for training, so the model sees at inference what it saw in training.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import msgspec
+import torch
+
+from nedolm.data.format import SPECIAL_TOKENS_FILE, SpecialTokens, read_special_tokens
+from nedolm.data.tokenizer import TextTokenizer, load_tokenizer
+from nedolm.model import MorphTransformer, build_model, export_hf, generate, load_hf
+from nedolm.train.base import model_config
+from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
+from nedolm.train.config import load_run_config
+
+EXPORT_SIDECAR = "nedolm"
+"""Export subdirectory with the corpus specials and the original tokenizer file."""
+
+
+@dataclass
+class ChatModel:
+    model: MorphTransformer
+    tokenizer: TextTokenizer
+    specials: SpecialTokens
+    source: Path
+
+    def render(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Token ids of ``(role, content)`` messages followed by an open assistant header."""
+        contents = self.tokenizer.encode_batch([content for _, content in messages])
+        headers = self.specials.role_header_token_ids
+        start, end = self.specials.message_start_id, self.specials.message_end_id
+        ids: list[int] = []
+        for (role, _), content in zip(messages, contents, strict=True):
+            if role not in headers:
+                raise click.ClickException(f"unknown role {role!r}; known: {sorted(headers)}")
+            ids += [start, *headers[role], *content, end]
+        return [*ids, start, *headers["assistant"]]
+
+    def reply(
+        self,
+        messages: Sequence[tuple[str, str]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> Iterator[str]:
+        """Stream the assistant's reply as text pieces; stops at ``<|mesaj_bitir|>`` or EOS."""
+        prompt = self.render(messages)
+        room = self.model.cfg.max_seq_len - len(prompt)
+        if room <= 0:
+            raise click.ClickException(
+                f"the conversation is {len(prompt)} tokens; the model holds "
+                f"{self.model.cfg.max_seq_len}. Start a new conversation or shorten the prompt."
+            )
+        ids: list[int] = []
+        shown = ""
+        for token in generate(
+            self.model,
+            prompt,
+            max_new_tokens=min(max_new_tokens, room),
+            temperature=temperature,
+            top_p=top_p,
+            stop_ids=(self.specials.message_end_id, self.specials.eos_id),
+            generator=torch.Generator().manual_seed(seed),
+        ):
+            ids.append(token)
+            text = self.tokenizer.decode(ids)
+            if len(text) > len(shown) and not text.endswith("\ufffd"):
+                yield text[len(shown) :]
+                shown = text
+
+
+def load_chat_model(path: Path) -> ChatModel:
+    """Load from an export directory (has config.json) or a run directory (has checkpoints)."""
+    if not path.is_dir():
+        raise click.ClickException(f"{path} is not a directory (expected a run or export dir)")
+    if (path / "config.json").is_file():
+        return _load_export(path)
+    return _load_run(path)
+
+
+def _load_run(run_dir: Path) -> ChatModel:
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise click.ClickException(
+            f"{run_dir} holds no checkpoint yet: train first (nedolm-sft run CONFIG) or point "
+            "at an export directory"
+        )
+    payload = load_checkpoint(checkpoint)
+    if "sft_config" not in payload:
+        raise click.ClickException(f"{checkpoint} is not an SFT checkpoint (no sft_config)")
+    sft = payload["sft_config"]
+    base = load_run_config(Path(sft["base_config"]))
+    model = build_model(model_config(base, morph_dispatch="sparse", attn_impl="sdpa"))
+    model.load_state_dict(payload["model"])
+    data_dir = Path(sft["data_dir"])
+    specials = read_special_tokens(data_dir)
+    tokenizer = load_tokenizer(data_dir / specials.tokenizer.file)
+    return ChatModel(model.eval(), tokenizer, specials, checkpoint)
+
+
+def _load_export(export_dir: Path) -> ChatModel:
+    sidecar = export_dir / EXPORT_SIDECAR
+    specials = read_special_tokens(sidecar)
+    tokenizer = load_tokenizer(sidecar / Path(specials.tokenizer.file).name)
+    model = load_hf(export_dir, attn_impl="sdpa")
+    return ChatModel(model.eval(), tokenizer, specials, export_dir)
+
+
+def export_bundle(chat: ChatModel, out_dir: Path, *, dtype: torch.dtype | None = None) -> Path:
+    """Write weights (HF Llama format when dense), tokenizer files and a chat template."""
+    export_hf(chat.model, out_dir, dtype=dtype)
+    sidecar = out_dir / EXPORT_SIDECAR
+    sidecar.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(chat.tokenizer.path, sidecar / chat.tokenizer.name)
+    specials = msgspec.to_builtins(chat.specials)
+    specials["tokenizer"]["file"] = chat.tokenizer.name
+    (sidecar / SPECIAL_TOKENS_FILE).write_text(json.dumps(specials, indent=2) + "\n")
+    if chat.specials.tokenizer.kind == "tokenizers":
+        _write_hf_tokenizer(chat, out_dir)
+    return out_dir
+
+
+def _write_hf_tokenizer(chat: ChatModel, out_dir: Path) -> None:
+    """tokenizer.json with the control and pad tokens added at their corpus ids + a template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    raw = chat.tokenizer.path.read_bytes()
+    if chat.tokenizer.path.name.endswith(".gz"):
+        raw = gzip.decompress(raw)
+    tok = Tokenizer.from_str(raw.decode("utf-8"))
+    specials = chat.specials
+    extra = {
+        specials.message_start_id: "<|mesaj_basla|>",
+        specials.message_end_id: "<|mesaj_bitir|>",
+    }
+    if specials.pad_id >= tok.get_vocab_size(with_added_tokens=True):
+        extra[specials.pad_id] = "<|pad|>"
+    for token_id in sorted(extra):
+        if tok.get_vocab_size(with_added_tokens=True) != token_id:
+            raise click.ClickException(
+                f"cannot place {extra[token_id]} at id {token_id} in the exported tokenizer"
+            )
+        tok.add_special_tokens([AddedToken(extra[token_id], special=True, normalized=False)])
+    tok.save(str(out_dir / "tokenizer.json"))
+    eos = tok.id_to_token(specials.eos_id)
+    roles = specials.roles
+    template = (
+        "{% for m in messages %}<|mesaj_basla|>"
+        + "".join(
+            f"{{% if m['role'] == '{role}' %}}{word}\n{{% endif %}}" for role, word in roles.items()
+        )
+        + "{{ m['content'] }}<|mesaj_bitir|>{% endfor %}"
+        + f"{{% if add_generation_prompt %}}<|mesaj_basla|>{roles['assistant']}\n{{% endif %}}"
+    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "pad_token": tok.id_to_token(specials.pad_id),
+        "bos_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": chat.model.cfg.max_seq_len,
+        "chat_template": template,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"eos_token_id": [specials.message_end_id, specials.eos_id], "do_sample": False}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

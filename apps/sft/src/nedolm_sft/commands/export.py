@@ -1,0 +1,48 @@
+"""``nedolm-sft export``: a trained run as a self-contained Hugging Face style directory."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import click
+import torch
+
+from nedolm_sft.chat_model import export_bundle, load_chat_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory to write.")
+@click.option(
+    "--dtype",
+    type=click.Choice(sorted(DTYPES)),
+    default="float32",
+    show_default=True,
+    help="Weight dtype of the export.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing export directory.")
+def export(run_dir: Path, out: Path, dtype: str, overwrite: bool) -> None:
+    """Export the newest checkpoint of RUN_DIR with its tokenizer and chat template.
+
+    A dense model (no morph classes) is written in Hugging Face Llama format and loads with
+    transformers.LlamaForCausalLM.from_pretrained(OUT); a morph model is written in NedoLM's
+    own format (load with nedolm.model.load_hf). Either works with `nedolm-sft generate OUT`.
+
+    \b
+    Example:
+      nedolm-sft export runs/sft-demo --out exports/sft-demo
+    """
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise click.ClickException(f"{out} already exists and is not empty; pass --overwrite")
+    chat = load_chat_model(run_dir)
+    tmp = out.with_name(out.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_bundle(chat, tmp, dtype=DTYPES[dtype])
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    kind = "Llama (transformers)" if chat.model.cfg.n_morph_classes == 0 else "NedoLM morph"
+    click.echo(f"exported {chat.source} → {out} ({kind} format, {dtype})")

@@ -1,0 +1,78 @@
+"""``nedolm-sft generate`` and ``nedolm-sft chat``: talk to a trained model, streaming tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from nedolm_sft.chat_model import ChatModel, load_chat_model
+
+sampling_options = [
+    click.option("--max-new-tokens", default=128, show_default=True, help="Reply length limit."),
+    click.option("--temperature", default=0.0, show_default=True, help="0 = greedy; > 0 samples."),
+    click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass."),
+    click.option("--seed", default=0, show_default=True, help="Sampling seed."),
+    click.option("--system", default=None, help="Optional system message."),
+]
+
+
+def with_sampling_options(command):
+    for option in reversed(sampling_options):
+        command = option(command)
+    return command
+
+
+def stream_reply(chat: ChatModel, history: list[tuple[str, str]], **sampling: object) -> str:
+    """Print the reply as it is generated and return it."""
+    pieces = []
+    for piece in chat.reply(history, **sampling):
+        click.echo(piece, nl=False)
+        pieces.append(piece)
+    click.echo()
+    return "".join(pieces)
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="The user message.")
+@with_sampling_options
+def generate(model_dir: Path, prompt: str, system: str | None, **sampling: object) -> None:
+    """Reply to one user message with a run's newest checkpoint or an export.
+
+    \b
+    Example:
+      nedolm-sft generate runs/sft-demo --prompt "Türkiye'nin başkenti neresidir?"
+    """
+    chat = load_chat_model(model_dir)
+    history = [("system", system)] if system else []
+    stream_reply(chat, [*history, ("user", prompt)], **sampling)
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@with_sampling_options
+def chat(model_dir: Path, system: str | None, **sampling: object) -> None:
+    """Chat interactively (empty line or Ctrl-D ends; /reset starts over).
+
+    \b
+    Example:
+      nedolm-sft chat exports/sft-demo --temperature 0.7 --top-p 0.9
+    """
+    model = load_chat_model(model_dir)
+    start = [("system", system)] if system else []
+    history = list(start)
+    click.echo(f"chatting with {model.source} (empty line to quit, /reset to start over)")
+    while True:
+        try:
+            text = click.prompt("sen", default="", show_default=False, prompt_suffix="> ")
+        except click.exceptions.Abort:
+            break
+        if not text.strip():
+            break
+        if text.strip() == "/reset":
+            history = list(start)
+            continue
+        history.append(("user", text))
+        click.echo("asistan> ", nl=False)
+        history.append(("assistant", stream_reply(model, history, **sampling)))
