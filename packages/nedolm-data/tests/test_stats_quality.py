@@ -7,23 +7,9 @@ import pytest
 
 from nedolm.data.format import Shard, discover_shards, shard_file_name, write_array
 from nedolm.data.packing import PackingCounts, discover_sft_shards
-from nedolm.data.records import ROLE_ASSISTANT, ROLE_SYSTEM, ROLE_USER
+from nedolm.data.records import ROLE_ASSISTANT, ROLE_USER
 from nedolm.data.stats import RoleError, corpus_stats, packing_quality, validate_roles
-from nedolm.data.synthetic import Conversations, write_corpus
-
-
-def random_conversations(rng: np.random.Generator, n: int, max_content: int) -> Conversations:
-    conversations = []
-    for _ in range(n):
-        turns = int(rng.integers(1, 6))
-        conv = [(ROLE_SYSTEM, 2, int(rng.integers(0, max_content)), False)] * int(
-            rng.random() < 0.3
-        )
-        for _ in range(turns):
-            conv.append((ROLE_USER, 3, int(rng.integers(0, max_content)), False))
-            conv.append((ROLE_ASSISTANT, 2, int(rng.integers(0, max_content)), rng.random() < 0.9))
-        conversations.append(conv)
-    return Conversations.from_lists(conversations)
+from nedolm.data.synthetic import random_conversations, write_corpus
 
 
 @pytest.fixture(scope="module")

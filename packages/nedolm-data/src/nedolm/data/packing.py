@@ -266,6 +266,14 @@ def _target_ranges(index: np.ndarray, segments: np.ndarray, seg_doc: np.ndarray)
     return TargetRanges(doc=doc, start=start, length=length, before=before)
 
 
+def flat_ranges(lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(n) for n in lengths])`` without a Python loop."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(lengths) - lengths, lengths
+    )
+
+
 def _window_len(seq_len: int) -> int:
     if seq_len < 1:
         raise PackingError(f"seq_len must be positive, got {seq_len}")

@@ -24,6 +24,7 @@ from nedolm.data.format import (
     shard_file_name,
     write_array,
 )
+from nedolm.data.packing import flat_ranges
 from nedolm.data.records import (
     INDEX_DTYPE,
     MESSAGE_END_TOKEN,
@@ -31,6 +32,8 @@ from nedolm.data.records import (
     ROLE_ASSISTANT,
     ROLE_HEADERS,
     ROLE_NAMES,
+    ROLE_SYSTEM,
+    ROLE_USER,
     SEGMENT_DTYPE,
 )
 
@@ -39,6 +42,7 @@ MESSAGE_END_ID = 32001
 EOS_ID = 2
 PAD_ID = 3
 FIRST_CONTENT_ID = 4  # ids below are EOS/pad/specials, never content
+UNIQUE_BASE_ID = 16  # write_corpus(unique_tokens=True): first id, above EOS and pad
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,25 @@ class Conversations:
             content_len=columns[:, 2],
             trainable=columns[:, 3].astype(bool),
         )
+
+
+def random_conversations(
+    rng: np.random.Generator, n: int, max_content: int, max_turns: int = 5
+) -> Conversations:
+    """``n`` chats: an optional system message, then 1..max_turns user/assistant turns.
+
+    About one assistant message in ten is context only (as a tool call would be).
+    """
+    conversations = []
+    for _ in range(n):
+        conv = [(ROLE_SYSTEM, 2, int(rng.integers(0, max_content)), False)] * int(
+            rng.random() < 0.3
+        )
+        for _ in range(int(rng.integers(1, max_turns + 1))):
+            conv.append((ROLE_USER, 3, int(rng.integers(0, max_content)), False))
+            conv.append((ROLE_ASSISTANT, 2, int(rng.integers(0, max_content)), rng.random() < 0.9))
+        conversations.append(conv)
+    return Conversations.from_lists(conversations)
 
 
 def layout(conversations: Conversations) -> tuple[np.ndarray, np.ndarray]:
@@ -105,7 +128,7 @@ def tokens_for(
     doc_of = np.repeat(np.arange(len(index)), index["segment_count"].astype(np.int64))
     start = index["token_start"].astype(np.int64)[doc_of] + segments["start"]
     header_len = segments["header_len"].astype(np.int64)
-    in_header = np.repeat(start, header_len) + _ranges(header_len)
+    in_header = np.repeat(start, header_len) + flat_ranges(header_len)
     tokens[in_header] = FIRST_CONTENT_ID + np.repeat(segments["role"].astype(np.int64), header_len)
     tokens[start] = MESSAGE_START_ID
     tokens[start + segments["length"] - 1] = MESSAGE_END_ID
@@ -113,23 +136,26 @@ def tokens_for(
     return tokens.astype(dtype)
 
 
-def _ranges(lengths: np.ndarray) -> np.ndarray:
-    """``concatenate([arange(n) for n in lengths])`` without the Python loop."""
-    total = int(lengths.sum())
-    offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.arange(total, dtype=np.int64) - offsets
-
-
-def write_corpus(data_dir: Path, shards: list[Conversations], seed: int = 0) -> None:
+def write_corpus(
+    data_dir: Path, shards: list[Conversations], seed: int = 0, unique_tokens: bool = False
+) -> None:
     """Write ``shards`` as a corpus directory (shard files + SPECIAL_TOKENS.json).
 
     Only what readers of the binaries need: the contract reports are the builder's job.
+    With ``unique_tokens`` every token id is ``UNIQUE_BASE_ID`` + its position in the whole
+    corpus (shards in order), so a test can tell where every token a loader emits came from.
     """
     shards_dir = Path(data_dir) / SHARDS_DIR
     shards_dir.mkdir(parents=True, exist_ok=True)
+    next_id = UNIQUE_BASE_ID
     for shard_id, conversations in enumerate(shards):
         index, segments = layout(conversations)
-        tokens = tokens_for(index, segments, seed=seed + shard_id)
+        if unique_tokens:
+            total = int(index["token_len"].astype(np.int64).sum())
+            tokens = np.arange(next_id, next_id + total, dtype=np.uint32)
+            next_id += total
+        else:
+            tokens = tokens_for(index, segments, seed=seed + shard_id)
         arrays = {"tokens": tokens, "segments": segments, "index": index}
         for kind, array in arrays.items():
             write_array(shards_dir / shard_file_name(shard_id, len(shards), kind), kind, array)
@@ -139,7 +165,7 @@ def write_corpus(data_dir: Path, shards: list[Conversations], seed: int = 0) -> 
         pad_id=PAD_ID,
         message_start_id=MESSAGE_START_ID,
         message_end_id=MESSAGE_END_ID,
-        vocab_size=MESSAGE_END_ID + 1,
+        vocab_size=max(MESSAGE_END_ID + 1, next_id),
         control_tokens=[
             ControlToken(id=MESSAGE_START_ID, token=MESSAGE_START_TOKEN),
             ControlToken(id=MESSAGE_END_ID, token=MESSAGE_END_TOKEN),
