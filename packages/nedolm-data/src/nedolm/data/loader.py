@@ -12,9 +12,12 @@ The stream is a pure function of (plan, seed, rank, world_size, micro_batch_size
 
 Every row of a batch carries a state row ``[global worker id, epoch, cursor, batch, plan
 fingerprint, seq_len, world_size, num_workers, micro_batch_size, seed]`` describing the stream
-just after that row. The trainer keeps the last row per worker and passes them back as
-``resume_state``: the largest ``batch`` in it is the last batch consumed, so the resumed loader
-starts at the next one and yields exactly the batches the uninterrupted run would have.
+just after that row. The worker id is ``rank * num_workers + batch % num_workers``: the worker
+that builds the batch in an uninterrupted run, so states are identical after a resume too (a
+resumed loader's worker 0 may build another residue class). The trainer keeps the last row per
+worker and passes them back as ``resume_state``: the largest ``batch`` in it is the last batch
+consumed, so the resumed loader starts at the next one and yields exactly the batches the
+uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -214,10 +217,9 @@ class SFTWindowDataset(IterableDataset):
             )
         if self._windows is None:
             self._windows = [_ShardWindows(s) for s in self.shards]
-        global_worker = self.rank * workers + worker
         batch = self.start_batch + worker
         while True:
-            yield self._batch(batch, global_worker)
+            yield self._batch(batch)
             batch += workers
 
     def epoch_windows(self, epoch: int) -> np.ndarray:
@@ -225,7 +227,7 @@ class SFTWindowDataset(IterableDataset):
         perm = np.random.default_rng([self.seed, epoch]).permutation(self.total_windows)
         return perm[self.rank :: self.world_size]
 
-    def _batch(self, batch: int, global_worker: int) -> dict[str, torch.Tensor]:
+    def _batch(self, batch: int) -> dict[str, torch.Tensor]:
         size, row_len = self.micro_batch_size, self.seq_len + 1
         positions = np.arange(batch * size, (batch + 1) * size, dtype=np.int64)
         epochs = positions // self.windows_per_epoch
@@ -252,7 +254,7 @@ class SFTWindowDataset(IterableDataset):
 
         after = positions + 1
         state = np.empty((size, len(STATE_COLUMNS)), np.int64)
-        state[:, 0] = global_worker
+        state[:, 0] = self.rank * max(1, self.num_workers) + batch % max(1, self.num_workers)
         state[:, 1] = after // self.windows_per_epoch
         state[:, 2] = after % self.windows_per_epoch
         state[:, 3] = batch
