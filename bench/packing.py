@@ -25,13 +25,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 
 from nedolm.data.packing import PackingCounts, plan_shard
-from nedolm.data.records import ROLE_ASSISTANT, ROLE_SYSTEM, ROLE_USER
-from nedolm.data.synthetic import Conversations, layout
+from nedolm.data.synthetic import layout, sample_conversations
 
 LENGTHS_FILE = Path(__file__).with_name("packing_lengths.json")
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TOKENIZER = "tokenizer/azadyasar_bpe32k/tokenizer.json"
-ROLE_CODES = {"system": ROLE_SYSTEM, "user": ROLE_USER, "assistant": ROLE_ASSISTANT}
 HEADER_WORDS = {"system": "sistem", "user": "kullanici", "assistant": "asistan"}
 
 
@@ -41,7 +39,7 @@ def measure(data_dir: Path) -> dict:
 
     tok = Tokenizer.from_file(str(data_dir / TOKENIZER))
     shapes: dict[str, int] = {}
-    lengths: dict[str, dict[int, int]] = {role: {} for role in ROLE_CODES}
+    lengths: dict[str, dict[int, int]] = {role: {} for role in HEADER_WORDS}
     files = sorted(p for p in (data_dir / "tr_chat").glob("*.jsonl") if "alpaca" not in p.name)
     for path in files:
         with path.open(encoding="utf-8") as f:
@@ -73,40 +71,6 @@ def measure(data_dir: Path) -> dict:
     }
 
 
-def synthetic_conversations(params: dict, n: int, seed: int) -> Conversations:
-    """``n`` conversations drawn from the measured histograms (vectorised)."""
-    rng = np.random.default_rng(seed)
-    keys = list(params["shapes"])
-    weights = np.array([params["shapes"][k] for k in keys], np.float64)
-    shape = rng.choice(len(keys), size=n, p=weights / weights.sum())
-    has_system = np.array([int(k.split(":")[0]) for k in keys])[shape]
-    turns = np.array([int(k.split(":")[1]) for k in keys])[shape]
-    counts = has_system + 2 * turns
-    # Message j of a conversation: system first if present, then user/assistant alternating.
-    conv = np.repeat(np.arange(n), counts)
-    j = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    role = np.where(
-        (j == 0) & (has_system[conv] == 1),
-        ROLE_SYSTEM,
-        np.where((j - has_system[conv]) % 2 == 0, ROLE_USER, ROLE_ASSISTANT),
-    )
-    content = np.zeros(len(role), np.int64)
-    header = np.zeros(len(role), np.int64)
-    for name, code in ROLE_CODES.items():
-        hist = params["content_tokens"][name]
-        mask = role == code
-        p = np.array(hist["counts"], np.float64)
-        content[mask] = rng.choice(np.array(hist["values"]), size=int(mask.sum()), p=p / p.sum())
-        header[mask] = params["header_len"][name]
-    return Conversations(
-        counts=counts,
-        role=role,
-        header_len=header,
-        content_len=content,
-        trainable=role == ROLE_ASSISTANT,
-    )
-
-
 def time_planning(
     index: np.ndarray, segments: np.ndarray, shards: int, seq_len: int
 ) -> tuple[float, PackingCounts]:
@@ -131,7 +95,7 @@ def bench_planning(args: argparse.Namespace) -> None:
     params = json.loads(LENGTHS_FILE.read_text(encoding="utf-8"))
     corpora = {}
     for n in args.sizes:
-        index, segments = layout(synthetic_conversations(params, n, seed=n))
+        index, segments = layout(sample_conversations(params, n, seed=n))
         corpora[n] = (index, segments)
     print(
         f"{'conversations':>13} {'messages':>11} {'seq_len':>7} {'shards':>6} "
