@@ -394,6 +394,17 @@ def verify_corpus(
     return VerifyResult(report=report, audit=audit, files=files, problems=problems)
 
 
+_TOKENIZERS: dict[str, TextTokenizer] = {}
+
+
+def _load_tokenizer(path: Path, sha256: str) -> TextTokenizer:
+    """Loading a tokenizer.json takes ~0.5 s; corpora whose copies have the same bytes share one."""
+    if sha256 not in _TOKENIZERS:
+        _TOKENIZERS.clear()  # keep one: a process verifies corpora of one tokenizer
+        _TOKENIZERS[sha256] = load_tokenizer(path)
+    return _TOKENIZERS[sha256]
+
+
 def _check_special_tokens(
     data_dir: Path,
     specials: SpecialTokens,
@@ -423,11 +434,12 @@ def _check_special_tokens(
         return
     copy = data_dir / specials.tokenizer.file
     try:
-        if file_sha256(copy) != specials.tokenizer.sha256:
+        digest = file_sha256(copy)
+        if digest != specials.tokenizer.sha256:
             raise TokenizerError(
                 f"{copy}: sha256 differs from the one recorded in {SPECIAL_TOKENS_FILE}"
             )
-        tokenizer = tokenizer or load_tokenizer(copy)
+        tokenizer = tokenizer or _load_tokenizer(copy, digest)
         encoded = tokenizer.encode_batch([f"{w}\n" for w in ROLE_HEADERS.values()])
     except (OSError, TokenizerError) as exc:
         failed.setdefault("turkish_user_header_verified", []).append(
@@ -464,6 +476,11 @@ def check_corpus(data_dir: Path, *, workers: int = 8) -> list[str]:
     problems = list(result.problems)
     if not result.files:
         return problems
+    if (
+        docs[VERIFY_REPORT_FILE].get("special_tokens_sha256")
+        != result.report["special_tokens_sha256"]
+    ):
+        problems.append(f"{SPECIAL_TOKENS_FILE}: changed since the corpus was verified")
     problems += _diff(VERIFY_REPORT_FILE, docs[VERIFY_REPORT_FILE], result.report)
     problems += _diff(PACKING_AUDIT_FILE, audit, result.audit)
     problems += _diff_manifest(manifest, result.files)
