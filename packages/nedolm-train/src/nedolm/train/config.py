@@ -79,7 +79,8 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     assistant_only_head: bool = True
     """Fused loss head (targets only); off = full logits + cross-entropy (reference path)."""
     loss_fp32_logits: bool = True
-    ddp_static_graph: bool = True
+    ddp_static_graph: bool = False
+    """DDP static_graph; cannot be combined with grad_accum_steps > 1 (DDP's no_sync)."""
     ddp_bucket_cap_mb: int = 100
     control_interval: int = 20
     """Steps between the all-rank stop/archive agreements (also at checkpoints and the end)."""
@@ -106,6 +107,10 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key} must be >= 1, got {value}")
+        if self.ddp_static_graph and self.grad_accum_steps > 1:
+            # torch DDP asserts (reducer expect_autograd_hooks_) when a static graph's first
+            # step accumulates under no_sync.
+            raise ValueError("ddp_static_graph cannot be combined with grad_accum_steps > 1")
         if self.seq_len is not None and self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
         if self.num_workers < 0 or self.max_steps < 0 or self.keep_every < 0:

@@ -1,0 +1,106 @@
+"""``nedolm-sft run`` (the SFT job) and ``nedolm-sft init-base`` (a random base run for demos)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import yaml
+
+from nedolm.data.format import read_special_tokens
+from nedolm.model import preset_names
+from nedolm.train.base import init_base
+from nedolm.train.config import ConfigError, load_sft_config
+from nedolm.train.trainer import run as run_training
+
+
+@click.command("run")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--smoke-steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run this many optimizer steps instead of the configured number.",
+)
+@click.option("--no-compile", is_flag=True, help="Run the model eagerly (no torch.compile).")
+def run(config: Path, smoke_steps: int | None, no_compile: bool) -> None:
+    """Fine-tune from the SFT YAML CONFIG; resumes from the run dir's latest checkpoint.
+
+    Works alone (CPU or one GPU) and under torchrun or SLURM (one process per rank).
+    SIGTERM/SIGUSR1 write a checkpoint and exit 0.
+
+    \b
+    Example:
+      nedolm-sft run examples/sft.yaml --smoke-steps 20 --no-compile
+      torchrun --nproc-per-node 8 -m nedolm.train examples/sft.yaml
+    """
+    try:
+        cfg = load_sft_config(config)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    run_training(cfg, smoke_steps=smoke_steps, compile=not no_compile)
+
+
+def _parse_override(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict:
+    overrides = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
+@click.command("init-base")
+@click.option("--preset", "preset_name", type=click.Choice(preset_names()), required=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--vocab-size", type=click.IntRange(min=1), default=None, help="Model vocabulary.")
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Take vocab size and EOS id from this prepared corpus's SPECIAL_TOKENS.json.",
+)
+@click.option(
+    "--eos-id", type=click.IntRange(min=0), default=None, help="EOS id (with --vocab-size)."
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    callback=_parse_override,
+    help="Override a model config field, e.g. --set d_model=64 (repeatable).",
+)
+def init_base_command(
+    preset_name: str,
+    out: Path,
+    vocab_size: int | None,
+    data_dir: Path | None,
+    eos_id: int | None,
+    seed: int,
+    overrides: dict,
+) -> None:
+    """Write a randomly initialised base run (config.yaml + checkpoint) of a model preset.
+
+    \b
+    Example:
+      nedolm-sft init-base --preset tiny --data-dir corpus/ --out runs/base-tiny
+      nedolm-sft init-base --preset tiny --vocab-size 32003 --eos-id 2 --out runs/base
+    """
+    if (vocab_size is None) == (data_dir is None):
+        raise click.UsageError("give exactly one of --vocab-size or --data-dir")
+    if data_dir is not None:
+        special = read_special_tokens(data_dir)
+        vocab_size, eos_id = special.vocab_size, special.eos_id
+    if eos_id is None:
+        raise click.UsageError("--vocab-size needs --eos-id (the tokenizer's EOS id)")
+    path = init_base(
+        out,
+        preset_name=preset_name,
+        vocab_size=vocab_size,
+        eos_id=eos_id,
+        seed=seed,
+        overrides=overrides,
+    )
+    click.echo(f"wrote {out / 'config.yaml'} and {path}")

@@ -1,0 +1,26 @@
+"""``python -m nedolm.train CONFIG [--smoke-steps N] [--no-compile]`` (also under torchrun).
+
+The same entry as ``nedolm-sft run``, without the CLI app: handy under launchers that start a
+Python module.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nedolm.train.config import load_sft_config
+from nedolm.train.trainer import run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m nedolm.train", description=__doc__)
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--smoke-steps", type=int, default=None)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    run(load_sft_config(args.config), smoke_steps=args.smoke_steps, compile=not args.no_compile)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""The training loop: step, log, validate, agree on stop/archive, checkpoint.
+
+Control flow that depends on anything rank-local (a signal, the wall clock) is agreed on by
+every rank at deterministic control points (``sync_control_flags``), so every rank takes the
+same branch. A stop request (SIGTERM/SIGUSR1, ``max_hours``) is honoured at the next control
+point: every ``control_interval`` steps, at every checkpoint step and at the last step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterator
+
+import torch
+
+from nedolm.dist import all_rank_call, gather_object, main_rank_call, sum_all, sync_control_flags
+from nedolm.train.checkpoint import save_checkpoint, save_model_archive
+from nedolm.train.config import to_builtins
+from nedolm.train.contract import fingerprint
+from nedolm.train.faults import maybe_inject
+from nedolm.train.metrics import MetricsWriter, format_eta
+from nedolm.train.optim import lr_at_step, set_lr
+from nedolm.train.setup import Run
+from nedolm.train.signals import StopRequest
+from nedolm.train.step import fetch_step_batches, train_step
+from nedolm.train.validation import run_validation
+
+log = logging.getLogger(__name__)
+
+
+class TrainLoop:
+    """Runs ``run`` from its current step to ``max_steps`` or until a stop request."""
+
+    def __init__(self, run: Run, stop: StopRequest, writer: MetricsWriter | None) -> None:
+        self.run = run
+        self.stop = stop
+        self.writer = writer  # rank 0 only
+        t = run.cfg.train
+        self.tokens_per_step = (
+            t.micro_batch_size * t.grad_accum_steps * run.info.world_size * run.seq_len
+        )
+        self.params = [p for p in run.base_model.parameters() if p.requires_grad]
+        self.job_start = time.monotonic()
+        self.last_archive = time.monotonic()
+        self._reset_log_window()
+
+    def train(self) -> None:
+        """The whole loop; returns normally on completion and on a stop request."""
+        run, t = self.run, self.run.cfg.train
+        start = run.progress.step
+        if run.val_loader is not None and run.cfg.validation.at_start:
+            self.validate()
+        log.info("training steps %d -> %d", start, run.max_steps)
+        run.model.train()
+        self._reset_log_window()
+        for step in range(start, run.max_steps):
+            lr = self.step(step)
+            done = run.progress.step
+            if done % t.log_interval == 0 or done == start + 1 or done == run.max_steps:
+                self.log_step(lr)
+            if run.val_loader is not None and (
+                done % run.cfg.validation.interval == 0 or done == run.max_steps
+            ):
+                self.validate()
+            if self.control(done):
+                log.warning("stop requested (%s): stopped at step %d", self.stop.describe(), done)
+                return
+        log.info(
+            "finished at step %d: %d assistant tokens, %.2f h",
+            run.progress.step,
+            run.progress.assistant_tokens_seen,
+            (time.monotonic() - self.job_start) / 3600,
+        )
+
+    def step(self, step: int) -> float:
+        """One optimizer step (0-based ``step``); returns its learning rate."""
+        run = self.run
+        lr = lr_at_step(step, run.cfg.optim, run.max_steps)
+        set_lr(run.optimizer, lr)
+        micro_batches, global_targets = fetch_step_batches(
+            run.train_batches,
+            count=run.cfg.train.grad_accum_steps,
+            info=run.info,
+            step=step,
+            eos_id=run.eos_id,
+            data_state=run.data_state,
+        )
+        loss, self.grad_norm = train_step(
+            run.model,
+            self.params,
+            run.optimizer,
+            micro_batches,
+            global_targets=global_targets,
+            world_size=run.info.world_size,
+            grad_clip=run.cfg.optim.grad_clip,
+            options=run.options,
+            step=step,
+        )
+        run.progress.step = step + 1
+        run.progress.context_tokens_seen += self.tokens_per_step
+        run.progress.assistant_tokens_seen += global_targets
+        self.window_loss += loss
+        self.window_targets += global_targets
+        self.window_steps += 1
+        return lr
+
+    def log_step(self, lr: float) -> None:
+        """Reduce the loss of the steps since the last log (the only per-log host sync)."""
+        run = self.run
+        loss_sum = sum_all(self.window_loss.clone()).item()
+        loss = loss_sum / self.window_targets
+        if run.options.use_amp:
+            torch.cuda.synchronize()
+        elapsed = time.monotonic() - self.window_start
+        sec_per_step = elapsed / self.window_steps
+        done = run.progress.step
+        record = {
+            "step": done,
+            "loss": loss,
+            "ppl": math.exp(min(20.0, loss)),
+            "lr": lr,
+            "grad_norm": float(self.grad_norm),
+            "tokens_per_s": self.tokens_per_step / sec_per_step,
+            "sec_per_step": sec_per_step,
+            "assistant_ratio": self.window_targets / (self.tokens_per_step * self.window_steps),
+            "context_tokens_seen": run.progress.context_tokens_seen,
+            "assistant_tokens_seen": run.progress.assistant_tokens_seen,
+            "hours": (time.monotonic() - self.job_start) / 3600,
+        }
+        if run.options.use_amp:
+            record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        eta = format_eta(sec_per_step * (run.max_steps - done))
+
+        def write() -> None:
+            assert self.writer is not None  # rank 0 owns the writer
+            self.writer.write(record)
+            log.info(
+                "step %d/%d loss %.4f lr %.3e gn %.3f %.0f tok/s eta %s",
+                done,
+                run.max_steps,
+                loss,
+                lr,
+                record["grad_norm"],
+                record["tokens_per_s"],
+                eta,
+            )
+
+        main_rank_call(run.info, f"log metrics at step {done}", write)
+        self._reset_log_window()
+
+    def validate(self) -> None:
+        """A validation pass, logged as ``{"kind": "validation", "val_loss": ...}``."""
+        with self._untimed():
+            self._validate()
+
+    def _validate(self) -> None:
+        run = self.run
+        log.info("validating at step %d", run.progress.step)
+        result = run_validation(
+            run.base_model,
+            run.val_loader,
+            run.info,
+            batches=run.cfg.validation.batches,
+            eos_id=run.eos_id,
+            options=run.options,
+        )
+        step = run.progress.step
+        record = {
+            "step": step,
+            "kind": "validation",
+            "val_loss": result.loss,
+            "val_ppl": result.ppl,
+            "val_assistant_tokens": result.targets,
+            "val_context_tokens": result.context_tokens,
+        }
+
+        def write() -> None:
+            assert self.writer is not None
+            self.writer.write(record)
+            log.info("validation at step %d: loss %.4f ppl %.2f", step, result.loss, result.ppl)
+
+        main_rank_call(run.info, f"log validation at step {step}", write)
+
+    def control(self, done: int) -> bool:
+        """Agree on archive/stop at control points and checkpoint as due; True = stop now."""
+        run, t = self.run, self.run.cfg.train
+        is_last = done == run.max_steps
+        if not (done % t.control_interval == 0 or done % t.ckpt_interval == 0 or is_last):
+            return False
+        over_time = t.max_hours > 0 and (time.monotonic() - self.job_start) / 3600 >= t.max_hours
+        archive_due = (
+            t.archive_interval_hours > 0
+            and (time.monotonic() - self.last_archive) / 3600 >= t.archive_interval_hours
+        )
+        archive, stop = sync_control_flags(
+            rank0_archive_due=archive_due, local_stop=self.stop.requested or over_time
+        )
+        if over_time and not self.stop.requested:
+            self.stop.requested = True  # so the log names the reason (max_hours)
+        with self._untimed():
+            if archive:
+                self.save_archive()
+            if stop or done % t.ckpt_interval == 0 or (is_last and t.save_final_checkpoint):
+                self.save_checkpoint()
+        return stop
+
+    def save_checkpoint(self) -> None:
+        """Gather every rank's cursor and RNG, then rank 0 writes one atomic file."""
+        run = self.run
+        done = run.progress.step
+
+        log.info("writing checkpoint at step %d", done)
+
+        def local_state() -> dict:
+            maybe_inject("checkpoint_write", run.info.rank)
+            return {"rng": torch.get_rng_state(), "data_state": dict(run.data_state)}
+
+        local = all_rank_call(run.info, f"prepare checkpoint at step {done}", local_state)
+        ranks = gather_object(local)
+
+        def write() -> None:
+            payload = {
+                "step": done,
+                "model": run.base_model.state_dict(),
+                "optimizer": run.optimizer.state_dict(),
+                "ranks": ranks,
+                "progress": dataclasses.asdict(run.progress),
+                "contract": run.contract,
+                "fingerprints": {k: fingerprint(v) for k, v in run.contract.items()},
+                "base_checkpoint": run.base_checkpoint,
+                "sft_config": to_builtins(run.cfg),
+            }
+            path = save_checkpoint(
+                run.cfg.run_dir,
+                done,
+                payload,
+                keep_last=run.cfg.train.keep_last,
+                keep_every=run.cfg.train.keep_every,
+            )
+            log.info("checkpoint written: %s", path)
+
+        main_rank_call(run.info, f"write checkpoint at step {done}", write)
+
+    def save_archive(self) -> None:
+        """Weights and provenance only, for shipping or evaluating a snapshot."""
+        run = self.run
+        done = run.progress.step
+
+        def write() -> None:
+            payload = {
+                "step": done,
+                "model": run.base_model.state_dict(),
+                "model_config": run.contract["training"]["recipe"]["model_config"],
+                "eos_id": run.eos_id,
+                "progress": dataclasses.asdict(run.progress),
+                "fingerprints": {k: fingerprint(v) for k, v in run.contract.items()},
+                "base_checkpoint": run.base_checkpoint,
+            }
+            log.info("archive written: %s", save_model_archive(run.cfg.run_dir, done, payload))
+
+        main_rank_call(run.info, f"write archive at step {done}", write)
+        self.last_archive = time.monotonic()
+
+    @contextlib.contextmanager
+    def _untimed(self) -> Iterator[None]:
+        """Keep validation and checkpoint time out of the throughput figure."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.window_start += time.monotonic() - started
+
+    def _reset_log_window(self) -> None:
+        self.window_loss = torch.zeros((), dtype=torch.float32, device=self.run.info.device)
+        self.window_targets = 0
+        self.window_steps = 0
+        self.window_start = time.monotonic()

@@ -1,0 +1,460 @@
+"""Everything before the first step: contract, data plan, model, resume, compile, DDP, loaders.
+
+``prepare_run`` turns an ``SFTConfig`` into a ready ``Run``. Each stage is a small function, and
+every stage that can fail on one rank goes through ``main_rank_call`` (rank-0 work: contract
+hashing, base checkpoint read, metadata) or ``all_rank_call`` (local work on every rank), so a
+failure anywhere is raised everywhere and no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from nedolm.data.contract import validate_dataset_contract
+from nedolm.data.loader import build_sft_loader
+from nedolm.data.packing import discover_sft_shards
+from nedolm.data.stats import corpus_stats, validate_roles
+from nedolm.dist import (
+    DistInfo,
+    all_rank_call,
+    broadcast_module_state,
+    collect_rank_errors,
+    main_rank_call,
+)
+from nedolm.model import IGNORE_INDEX, ModelConfig, build_model, packed_layout, resolve_attn_impl
+from nedolm.train.base import model_config, resolve_base_checkpoint
+from nedolm.train.checkpoint import (
+    atomic_write,
+    latest_checkpoint,
+    load_checkpoint,
+    write_run_metadata,
+)
+from nedolm.train.config import RunConfig, SFTConfig, load_run_config, to_builtins
+from nedolm.train.contract import (
+    check_plan_matches_audit,
+    check_resume,
+    execution_mode,
+    fingerprint,
+    split_train_val,
+    training_contract,
+)
+from nedolm.train.faults import maybe_inject
+from nedolm.train.optim import build_optimizer
+from nedolm.train.step import LossOptions
+
+log = logging.getLogger(__name__)
+
+RESOLVED_CONFIG_FILE = "config.resolved.json"
+
+
+@dataclass
+class Progress:
+    """Counters that a checkpoint carries across restarts."""
+
+    step: int = 0
+    context_tokens_seen: int = 0
+    assistant_tokens_seen: int = 0
+
+
+@dataclass
+class Run:
+    """A prepared run: what the loop needs, nothing more."""
+
+    cfg: SFTConfig
+    info: DistInfo
+    seq_len: int
+    eos_id: int
+    max_steps: int
+    base_model: nn.Module
+    """The bare module: checkpoints, validation and clipping use it."""
+    model: nn.Module
+    """What the step calls: the bare, compiled and/or DDP-wrapped module."""
+    optimizer: torch.optim.Optimizer
+    options: LossOptions
+    train_batches: Any
+    """Infinite iterator over the training loader."""
+    val_loader: Any | None
+    contract: dict[str, dict[str, Any]]
+    """{"dataset", "training", "execution"}: stored in every checkpoint."""
+    base_checkpoint: str
+    progress: Progress
+    data_state: dict[int, list[int]] = field(default_factory=dict)
+    """Latest loader cursor per global worker id, for this rank."""
+
+
+@dataclass
+class _Data:
+    contract: dict[str, Any]
+    train_shards: list
+    val_shards: list
+    stats: dict[str, Any]
+    val_stats: dict[str, Any] | None
+
+
+def prepare_run(
+    cfg: SFTConfig, info: DistInfo, *, smoke_steps: int | None = None, allow_compile: bool = True
+) -> Run:
+    """Check everything, build everything, and restore the latest checkpoint if there is one."""
+    run_config = all_rank_call(info, "read base config", lambda: load_run_config(cfg.base_config))
+    model_cfg = all_rank_call(
+        info,
+        "build model config",
+        lambda: model_config(run_config, morph_dispatch=cfg.train.morph_dispatch),
+    )
+    seq_len = cfg.train.seq_len or model_cfg.max_seq_len
+    all_rank_call(info, "check runtime", lambda: _check_runtime(model_cfg, seq_len, info.device))
+    data = _prepare_data(cfg, info, run_config, model_cfg, seq_len)
+    max_steps = smoke_steps or cfg.train.max_steps or _one_epoch_steps(cfg, info, data.stats)
+    recipe = _recipe(cfg, model_cfg, max_steps)
+    contract = {
+        "dataset": data.contract,
+        "training": training_contract(data.contract["fingerprint"], seq_len, _val_ids(cfg), recipe),
+    }
+
+    torch.manual_seed(cfg.train.seed)
+    base_model = all_rank_call(info, "build model", lambda: build_model(model_cfg))
+    base_model.grad_checkpoint = cfg.train.grad_checkpoint
+    base_model.to(info.device)
+    resume_path = main_rank_call(
+        info, "find latest SFT checkpoint", lambda: latest_checkpoint(cfg.run_dir)
+    )
+    if resume_path is not None:
+        state = all_rank_call(
+            info,
+            "load SFT checkpoint",
+            lambda: _load_resume(base_model, resume_path, contract),
+        )
+        base_checkpoint = str(state.get("base_checkpoint", ""))
+    else:
+        state = None
+        base_checkpoint = str(
+            main_rank_call(info, "load base checkpoint", lambda: _load_base(cfg, base_model))
+        )
+    # Fresh runs read the base on rank 0 only; resumed ranks must already agree bitwise.
+    broadcast_module_state(base_model)
+
+    options = LossOptions(
+        assistant_only_head=cfg.train.assistant_only_head,
+        loss_fp32_logits=cfg.train.loss_fp32_logits,
+        use_amp=info.device.type == "cuda",
+    )
+    model, effective_compile = _maybe_compile(
+        base_model, cfg, info, seq_len, run_config.eos_id, options, allow_compile
+    )
+    contract["execution"] = execution_mode(
+        world_size=info.world_size,
+        num_workers=cfg.train.num_workers,
+        effective_compile=effective_compile,
+    )
+    if state is not None:
+        all_rank_call(
+            info,
+            "check resume execution mode",
+            lambda: check_resume(state, contract, str(resume_path), parts=("execution",)),
+        )
+    if info.world_size > 1:
+        model = _wrap_ddp(model, cfg, info)
+
+    optimizer = all_rank_call(
+        info, "build optimizer", lambda: build_optimizer(base_model, cfg.optim)
+    )
+    progress, data_state = Progress(), {}
+    if state is not None:
+        data_state = all_rank_call(
+            info, "restore optimizer and data state", lambda: _restore(state, optimizer, info)
+        )
+        progress = Progress(**state["progress"])
+        log.info("resuming from %s at step %d", resume_path, progress.step)
+        del state
+    train_batches, val_loader = all_rank_call(
+        info,
+        "build data loaders",
+        lambda: _build_loaders(cfg, info, seq_len, data, data_state or None),
+    )
+    run = Run(
+        cfg=cfg,
+        info=info,
+        seq_len=seq_len,
+        eos_id=run_config.eos_id,
+        max_steps=max_steps,
+        base_model=base_model,
+        model=model,
+        optimizer=optimizer,
+        options=options,
+        train_batches=train_batches,
+        val_loader=val_loader,
+        contract=contract,
+        base_checkpoint=base_checkpoint,
+        progress=progress,
+        data_state=data_state,
+    )
+    main_rank_call(info, "write run metadata", lambda: _write_metadata(run, data))
+    return run
+
+
+def _check_runtime(model_cfg: ModelConfig, seq_len: int, device: torch.device) -> None:
+    if seq_len > model_cfg.max_seq_len:
+        raise ValueError(
+            f"train.seq_len={seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
+        )
+    # Packed rows are only correct with segment isolation; refuse a backend that cannot run.
+    resolve_attn_impl(model_cfg.attn_impl, device)
+
+
+def _val_ids(cfg: SFTConfig) -> list[int]:
+    return list(cfg.validation.shard_ids) if cfg.validation.enabled else []
+
+
+def _prepare_data(
+    cfg: SFTConfig, info: DistInfo, run_config: RunConfig, model_cfg: ModelConfig, seq_len: int
+) -> _Data:
+    def check_contract() -> dict[str, Any]:
+        contract = validate_dataset_contract(cfg.data_dir, model_cfg.vocab_size, seq_len)
+        if int(contract["eos_id"]) != run_config.eos_id:
+            raise RuntimeError(
+                f"corpus EOS id {contract['eos_id']} != base model eos_id {run_config.eos_id} "
+                f"({cfg.base_config})"
+            )
+        return contract
+
+    contract = main_rank_call(info, "validate dataset contract", check_contract)
+
+    def plan() -> _Data:
+        shards = discover_sft_shards(cfg.data_dir, seq_len)
+        check_plan_matches_audit(corpus_stats(shards, seq_len), contract)
+        train, val = split_train_val(shards, _val_ids(cfg))
+        val_stats = corpus_stats(val, seq_len) if val else None
+        return _Data(contract, train, val, corpus_stats(train, seq_len), val_stats)
+
+    data = all_rank_call(info, "recompute packing plan", plan)
+    roles = main_rank_call(
+        info,
+        "audit roles",
+        lambda: {
+            "train": validate_roles(data.train_shards),
+            "val": validate_roles(data.val_shards),
+        },
+    )
+    stats = data.stats
+    log.info(
+        "train: %d shards, %d windows, %d raw tokens, valid context %.2f%%, targets %.2f%%",
+        stats["shards"],
+        stats["windows"],
+        stats["raw_tokens"],
+        100 * stats["valid_context_ratio"],
+        100 * stats["assistant_target_ratio"],
+    )
+    log.info("roles: %s", roles)
+    if data.val_stats is not None:
+        log.info("validation: shards %s, %d windows", _val_ids(cfg), data.val_stats["windows"])
+    return data
+
+
+def _one_epoch_steps(cfg: SFTConfig, info: DistInfo, stats: dict[str, Any]) -> int:
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
+    return max(1, math.ceil(int(stats["windows"]) / per_step))
+
+
+def _recipe(cfg: SFTConfig, model_cfg: ModelConfig, max_steps: int) -> dict[str, Any]:
+    t = cfg.train
+    return {
+        "max_steps": max_steps,
+        "micro_batch_size": t.micro_batch_size,
+        "grad_accum_steps": t.grad_accum_steps,
+        "seed": t.seed,
+        "grad_checkpoint": t.grad_checkpoint,
+        "assistant_only_head": t.assistant_only_head,
+        "loss_fp32_logits": t.loss_fp32_logits,
+        "compile_requested": t.compile,
+        "compile_mode": t.compile_mode,
+        "compile_backend": t.compile_backend,
+        "optim": to_builtins(cfg.optim),
+        "model_config": dataclasses.asdict(model_cfg),
+    }
+
+
+def _load_resume(
+    model: nn.Module, path: Path, contract: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    state = load_checkpoint(path)
+    check_resume(state, contract, str(path), parts=("dataset", "training"))
+    model.load_state_dict(state["model"])
+    return state
+
+
+def _load_base(cfg: SFTConfig, model: nn.Module) -> Path:
+    path = resolve_base_checkpoint(cfg.base_run_dir, cfg.base_checkpoint)
+    model.load_state_dict(load_checkpoint(path)["model"])
+    log.info("starting from base checkpoint %s (its optimizer/data state is not used)", path)
+    return path
+
+
+def _restore(
+    state: dict[str, Any], optimizer: torch.optim.Optimizer, info: DistInfo
+) -> dict[int, list[int]]:
+    optimizer.load_state_dict(state["optimizer"])
+    local = state["ranks"][info.rank]
+    torch.set_rng_state(local["rng"])
+    return {int(k): [int(x) for x in v] for k, v in local["data_state"].items()}
+
+
+def _warmup_batch(
+    base_model: nn.Module, micro_batch: int, seq_len: int, eos_id: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """A synthetic packed batch (three EOS per row, a third of it masked) for compile warm-up.
+
+    Uses its own generator so that warming up does not consume the global RNG stream.
+    """
+    gen = torch.Generator().manual_seed(0)
+    vocab = base_model.cfg.vocab_size
+    inputs = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen)
+    labels = inputs.clone()
+    labels[:, : seq_len // 3] = IGNORE_INDEX
+    for col in (seq_len // 4, seq_len // 2, (3 * seq_len) // 4):
+        inputs[:, col] = eos_id
+    inputs, labels = inputs.to(device), labels.to(device)
+    cu_seqlens, position_ids = packed_layout(inputs, eos_id)
+    return inputs, labels, cu_seqlens, position_ids
+
+
+def _maybe_compile(
+    base_model: nn.Module,
+    cfg: SFTConfig,
+    info: DistInfo,
+    seq_len: int,
+    eos_id: int,
+    options: LossOptions,
+    allow_compile: bool,
+) -> tuple[nn.Module, bool]:
+    """Compile and warm up on every rank; if any rank fails, every rank runs eagerly.
+
+    Runs before DDP so that a failed warm-up cannot strand a rank inside a DDP collective,
+    and so that all ranks share one execution mode.
+    """
+    if not (cfg.train.compile and allow_compile):
+        return base_model, False
+    local_error = ""
+    compiled = None
+    try:
+        log.info("compile warm-up started (backend=%s)", cfg.train.compile_backend)
+        started = time.monotonic()
+        maybe_inject("compile_warmup", info.rank)
+        compiled = torch.compile(
+            base_model, mode=cfg.train.compile_mode, backend=cfg.train.compile_backend
+        )
+        inputs, labels, cu_seqlens, position_ids = _warmup_batch(
+            base_model, cfg.train.micro_batch_size, seq_len, eos_id, info.device
+        )
+        with torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=options.use_amp):
+            loss, _ = compiled(
+                inputs,
+                labels=labels,
+                return_logits=False,
+                loss_reduction="mean",
+                loss_fp32_logits=options.loss_fp32_logits,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=seq_len,
+                position_ids=position_ids,
+            )
+        loss.backward()
+        log.info("compile warm-up done in %.1fs", time.monotonic() - started)
+    except Exception as exc:  # decided together below
+        local_error = f"{type(exc).__name__}: {exc}"
+    finally:
+        base_model.zero_grad(set_to_none=True)
+    errors = collect_rank_errors(info, local_error)
+    if errors:
+        log.warning("torch.compile disabled on every rank: %s", " | ".join(errors))
+        return base_model, False
+    return compiled, True
+
+
+def _wrap_ddp(model: nn.Module, cfg: SFTConfig, info: DistInfo) -> nn.Module:
+    return DistributedDataParallel(
+        model,
+        device_ids=[info.device.index] if info.device.type == "cuda" else None,
+        forward_sync_buffers=False,  # buffers (rope, morph classes) are equal after broadcast
+        gradient_as_bucket_view=True,
+        static_graph=cfg.train.ddp_static_graph,
+        bucket_cap_mb=cfg.train.ddp_bucket_cap_mb,
+    )
+
+
+def _build_loaders(
+    cfg: SFTConfig,
+    info: DistInfo,
+    seq_len: int,
+    data: _Data,
+    resume_state: dict[int, list[int]] | None,
+) -> tuple[Any, Any | None]:
+    t, v = cfg.train, cfg.validation
+    train_loader, _ = build_sft_loader(
+        data_dir=cfg.data_dir,
+        seq_len=seq_len,
+        micro_batch_size=t.micro_batch_size,
+        rank=info.rank,
+        world_size=info.world_size,
+        num_workers=t.num_workers,
+        prefetch_factor=t.prefetch_factor,
+        seed=t.seed,
+        resume_state=resume_state,
+        shards=data.train_shards,
+        persistent_workers=t.persistent_workers,
+    )
+    val_loader = None
+    if data.val_shards:
+        val_loader, _ = build_sft_loader(
+            data_dir=cfg.data_dir,
+            seq_len=seq_len,
+            micro_batch_size=v.micro_batch_size or t.micro_batch_size,
+            rank=info.rank,
+            world_size=info.world_size,
+            num_workers=v.num_workers if v.num_workers is not None else min(2, t.num_workers),
+            prefetch_factor=t.prefetch_factor,
+            seed=v.seed,
+            resume_state=None,
+            shards=data.val_shards,
+            persistent_workers=False,
+        )
+    return iter(train_loader), val_loader
+
+
+def _write_metadata(run: Run, data: _Data) -> None:
+    resolved = {
+        "sft_config": to_builtins(run.cfg),
+        "seq_len": run.seq_len,
+        "max_steps": run.max_steps,
+        "world_size": run.info.world_size,
+        "base_checkpoint": run.base_checkpoint,
+        "corpus_stats": data.stats,
+        "validation_stats": data.val_stats,
+        "contract": run.contract,
+        "fingerprints": {k: fingerprint(v) for k, v in run.contract.items()},
+    }
+    text = json.dumps(resolved, indent=2, ensure_ascii=False, default=str) + "\n"
+    atomic_write(run.cfg.run_dir / RESOLVED_CONFIG_FILE, lambda handle: handle.write(text.encode()))
+    write_run_metadata(
+        run.cfg.run_dir,
+        {
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "start_step": run.progress.step,
+            "world_size": run.info.world_size,
+            "job_id": os.environ.get("SLURM_JOB_ID", ""),
+            "nodes": os.environ.get("SLURM_JOB_NODELIST", ""),
+            "base_checkpoint": run.base_checkpoint,
+            "effective_compile": run.contract["execution"]["effective_compile"],
+            "torch": torch.__version__,
+        },
+    )

@@ -1,0 +1,57 @@
+"""``run(cfg)``: the whole SFT job, as ``nedolm-sft run`` and ``python -m nedolm.train`` start it."""
+
+from __future__ import annotations
+
+import logging
+
+from nedolm.dist import DistInfo, all_rank_call, cleanup, main_rank_call, setup_distributed
+from nedolm.train.config import SFTConfig
+from nedolm.train.loop import TrainLoop
+from nedolm.train.metrics import MetricsWriter, setup_logging
+from nedolm.train.setup import prepare_run
+from nedolm.train.signals import StopRequest
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: SFTConfig, *, smoke_steps: int | None = None, compile: bool = True) -> None:
+    """Fine-tune per ``cfg`` in this process (one rank of a torchrun/SLURM job, or alone).
+
+    Returns normally when the run finished or stopped on request (SIGTERM, SIGUSR1,
+    ``max_hours``) after writing a checkpoint; raises on any failure, on every rank.
+
+    Args:
+        smoke_steps: run this many optimizer steps instead of the configured number.
+        compile: False forces eager mode (``--no-compile``).
+    """
+    # Before anything slow: a signal that arrives during setup must not kill the job.
+    stop = StopRequest().install()
+    info = setup_distributed()
+    writer = None
+    try:
+        main_rank_call(info, "create run directory", lambda: _make_run_dir(cfg))
+        setup_logging(cfg.run_dir if info.is_main else None)
+        _log_start(cfg, info)
+        run_state = prepare_run(cfg, info, smoke_steps=smoke_steps, allow_compile=compile)
+        writer = all_rank_call(
+            info, "open metrics", lambda: MetricsWriter(cfg.run_dir) if info.is_main else None
+        )
+        TrainLoop(run_state, stop, writer).train()
+    finally:
+        if writer is not None:
+            writer.close()
+        cleanup()
+
+
+def _make_run_dir(cfg: SFTConfig) -> None:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _log_start(cfg: SFTConfig, info: DistInfo) -> None:
+    log.info(
+        "SFT run_dir=%s data_dir=%s world_size=%d device=%s",
+        cfg.run_dir,
+        cfg.data_dir,
+        info.world_size,
+        info.device,
+    )
