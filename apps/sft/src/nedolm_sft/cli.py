@@ -62,3 +62,11 @@ from nedolm_sft.commands.generate import chat, generate  # noqa: E402
 cli.add_command(export)
 cli.add_command(generate)
 cli.add_command(chat)
+from nedolm_sft.commands.demo import demo  # noqa: E402
+
+cli.add_command(demo)
+
+from nedolm_sft.commands.train import init_base_command, run  # noqa: E402
+
+cli.add_command(run)
+cli.add_command(init_base_command)
