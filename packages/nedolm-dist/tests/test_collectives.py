@@ -1,7 +1,7 @@
 """Every rank-safe helper in real gloo groups of 2 (torchrun env) and 3 (SLURM env) ranks.
 
 One group per world size runs all checks (dist_worker.collectives) and reports what each rank
-saw; the tests below compare those reports with answers computed here. Failures are injected
+saw; the check_* functions compare those reports with answers computed here. Failures are injected
 on rank 0, on the last rank and on every rank; each must surface as the same RankError on
 every rank, naming exactly the failing ranks and their messages.
 """
@@ -35,23 +35,13 @@ class Run:
         return found
 
 
-@pytest.fixture(scope="module", params=sorted(LAUNCHERS), ids=lambda n: f"{n}ranks")
-def run(request: pytest.FixtureRequest, start_group, tmp_path_factory) -> Run:
-    world_size = request.param
-    out_dir = tmp_path_factory.mktemp(f"collectives{world_size}")
-    launcher = LAUNCHERS[world_size]
-    with start_group(out_dir, world_size, "collectives", launcher=launcher) as group:
-        group.wait(list(range(world_size)), deadline_s=120)
-        return Run(world_size, group.reports())
-
-
 def assert_rank_error_everywhere(results: list[dict], expected_message: str) -> None:
     for rank, result in enumerate(results):
         assert result.get("error") == "RankError", f"rank {rank}: {result}"
         assert result["message"] == expected_message, f"rank {rank}"
 
 
-def test_setup_reads_launcher_env_and_cleans_up(run: Run) -> None:
+def check_setup_reads_launcher_env_and_cleans_up(run: Run) -> None:
     for rank, report in enumerate(run.reports):
         assert report["info"] == [rank, run.world_size, rank, "cpu", rank == 0]
         assert report["get_info"] is True
@@ -60,7 +50,7 @@ def test_setup_reads_launcher_env_and_cleans_up(run: Run) -> None:
         assert report["cleaned_up"] is True
 
 
-def test_gather_object(run: Run) -> None:
+def check_gather_object(run: Run) -> None:
     for site, failing in run.sites().items():
         results = run.outcomes(f"gather_object/{site}")
         if not failing:
@@ -78,7 +68,7 @@ def test_gather_object(run: Run) -> None:
         assert_rank_error_everywhere(results, message)
 
 
-def test_main_rank_call(run: Run) -> None:
+def check_main_rank_call(run: Run) -> None:
     for site, failing in run.sites().items():
         results = run.outcomes(f"main_rank_call/{site}")
         ran = [report[f"main_rank_call/{site}/ran_here"] for report in run.reports]
@@ -91,7 +81,7 @@ def test_main_rank_call(run: Run) -> None:
             assert [r.get("value") for r in results] == [expected] * run.world_size
 
 
-def test_main_rank_call_unpicklable_result_fails_everywhere(run: Run) -> None:
+def check_main_rank_call_unpicklable_result_fails_everywhere(run: Run) -> None:
     results = run.outcomes("main_rank_call/unpicklable")
     message = results[0]["message"]
     assert message.startswith(
@@ -100,7 +90,7 @@ def test_main_rank_call_unpicklable_result_fails_everywhere(run: Run) -> None:
     assert_rank_error_everywhere(results, message)
 
 
-def test_all_rank_call(run: Run) -> None:
+def check_all_rank_call(run: Run) -> None:
     for site, failing in run.sites().items():
         results = run.outcomes(f"all_rank_call/{site}")
         if not failing:
@@ -112,14 +102,14 @@ def test_all_rank_call(run: Run) -> None:
         assert_rank_error_everywhere(results, expected)
 
 
-def test_collect_rank_errors(run: Run) -> None:
+def check_collect_rank_errors(run: Run) -> None:
     for site, failing in run.sites().items():
         expected = [f"rank {rank}: bad input on rank {rank}" for rank in failing]
         results = run.outcomes(f"collect_rank_errors/{site}")
         assert [r.get("value") for r in results] == [expected] * run.world_size, site
 
 
-def test_sync_control_flags_ors_stop_and_follows_rank0_archive(run: Run) -> None:
+def check_sync_control_flags_ors_stop_and_follows_rank0_archive(run: Run) -> None:
     # Non-zero ranks always vote the opposite of rank 0 on archiving; their vote must not count.
     for site, failing in run.sites().items():
         for rank0_archive in (False, True):
@@ -128,7 +118,7 @@ def test_sync_control_flags_ors_stop_and_follows_rank0_archive(run: Run) -> None
             assert [r.get("value") for r in results] == [expected] * run.world_size, site
 
 
-def test_sum_all(run: Run) -> None:
+def check_sum_all(run: Run) -> None:
     float_sum = [sum(rank + 1.0 for rank in run.ranks), sum(2.0 * rank for rank in run.ranks)]
     int_sum = [sum(run.ranks), run.world_size]
     assert [r["value"] for r in run.outcomes("sum_all/float")] == [float_sum] * run.world_size
@@ -136,7 +126,7 @@ def test_sum_all(run: Run) -> None:
     assert all(report["sum_all/in_place"] for report in run.reports)
 
 
-def test_broadcast_module_state_is_bitwise(run: Run) -> None:
+def check_broadcast_module_state_is_bitwise(run: Run) -> None:
     for src in (0, run.world_size - 1):
         before = [report[f"broadcast_module_state/src={src}/before"] for report in run.reports]
         after = [report[f"broadcast_module_state/src={src}/after"] for report in run.reports]
@@ -145,7 +135,7 @@ def test_broadcast_module_state_is_bitwise(run: Run) -> None:
         assert all(r["value"] is None for r in run.outcomes(f"broadcast_module_state/src={src}"))
 
 
-def test_broadcast_module_state_mismatch_fails_everywhere(run: Run) -> None:
+def check_broadcast_module_state_mismatch_fails_everywhere(run: Run) -> None:
     # dist_worker builds Linear(width, 3) with width 5 + rank on failing ranks, else 4.
     for site, failing in run.sites().items():
         width = [5 + rank if rank in failing else 4 for rank in run.ranks]
@@ -162,7 +152,35 @@ def test_broadcast_module_state_mismatch_fails_everywhere(run: Run) -> None:
         assert_rank_error_everywhere(results, expected)
 
 
-def test_main_rank_filter_logs_info_on_rank0_only(run: Run) -> None:
+def check_main_rank_filter_logs_info_on_rank0_only(run: Run) -> None:
     assert run.reports[0]["log_lines"] == ["0 INFO child info", "0 INFO info", "0 WARNING warning"]
     for rank in run.ranks[1:]:
         assert run.reports[rank]["log_lines"] == [f"{rank} WARNING warning"]
+
+
+CHECKS = [
+    check_setup_reads_launcher_env_and_cleans_up,
+    check_gather_object,
+    check_main_rank_call,
+    check_main_rank_call_unpicklable_result_fails_everywhere,
+    check_all_rank_call,
+    check_collect_rank_errors,
+    check_sync_control_flags_ors_stop_and_follows_rank0_archive,
+    check_sum_all,
+    check_broadcast_module_state_is_bitwise,
+    check_broadcast_module_state_mismatch_fails_everywhere,
+    check_main_rank_filter_logs_info_on_rank0_only,
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", sorted(LAUNCHERS), ids=lambda n: f"{n}ranks")
+def test_every_helper_under_injected_failures(start_group, tmp_path, world_size: int) -> None:
+    # One group per world size runs every check: process start dominates the cost, and the
+    # group stays healthy because each injected failure is exchanged inside a collective.
+    launcher = LAUNCHERS[world_size]
+    with start_group(tmp_path, world_size, "collectives", launcher=launcher) as group:
+        group.wait(list(range(world_size)), deadline_s=120)
+        run = Run(world_size, group.reports())
+    for check in CHECKS:
+        check(run)
