@@ -1,0 +1,158 @@
+"""``nedolm-sft prepare / verify / stats`` on the real-data fixture of nedolm-data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from nedolm_sft.cli import cli
+
+FIXTURES = Path(__file__).resolve().parents[3] / "packages" / "nedolm-data" / "tests" / "fixtures"
+TOKENIZER = FIXTURES / "tokenizer" / "mistral_v1.model.gz"
+INPUTS = sorted((FIXTURES / "tr_chat").glob("*.jsonl"))
+
+
+def _run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "corpus"
+    result = _run(
+        "prepare",
+        *INPUTS,
+        "--tokenizer",
+        TOKENIZER,
+        "--out",
+        out,
+        "--seq-len",
+        1024,
+        "--shards",
+        2,
+        "--val-shards",
+        "1",
+        "--no-progress",
+    )
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+@pytest.mark.parametrize("command", ["prepare", "verify", "stats"])
+def test_help_has_an_example(command):
+    result = _run(command, "--help")
+    assert result.exit_code == 0
+    assert "Example:" in result.output and f"nedolm-sft {command}" in result.output
+
+
+def test_prepare_reports_every_record(corpus):
+    _, output = corpus
+    total = sum(
+        1 for p in INPUTS for line in p.read_text(encoding="utf-8").splitlines() if line.strip()
+    )
+    assert f"records {total} = kept {total - 2} + dropped 2 (message_too_long 2)" in output
+    assert "2 shards, validation [1]" in output and "verify PASS" in output
+
+
+def test_verify_passes_then_names_a_flipped_shard(corpus, tmp_path):
+    out = shutil.copytree(corpus[0], tmp_path / "copy")
+    assert _run("verify", out).exit_code == 0
+    path = out / "shards" / "sft-00001-of-00002.tokens.bin"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    result = CliRunner().invoke(cli, ["verify", str(out)])
+    assert result.exit_code == 1
+    assert "sft-00001-of-00002.tokens.bin" in result.output
+    assert "problem(s); the corpus is not valid" in result.output
+
+
+def test_stats_json_matches_the_audit(corpus):
+    out, _ = corpus
+    result = _run("stats", out, "--json")
+    assert result.exit_code == 0
+    stats = json.loads(result.output)
+    audit = json.loads((out / "PACKING_POLICY_ADAPTIVE_AUDIT.json").read_text(encoding="utf-8"))
+    assert stats["packing"]["windows"] == audit["windows"]
+    assert stats["packing"]["hard_continuations"] == 0
+    assert stats["corpus"]["dropped"] == {"message_too_long": 2}
+    assert stats["packing_quality"]["adaptive"]["targets_lost"] == 0
+    text = _run("stats", out, "--seq-len", 2048)
+    assert text.exit_code == 0 and "seq_len 2048: windows" in text.output
+
+
+def test_bad_options_and_inputs_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]}\n',
+        encoding="utf-8",
+    )
+    result = CliRunner().invoke(
+        cli,
+        [
+            "prepare",
+            str(bad),
+            "--tokenizer",
+            str(TOKENIZER),
+            "--out",
+            str(tmp_path / "o"),
+            "--seq-len",
+            "64",
+            "--no-progress",
+        ],
+    )
+    assert result.exit_code == 1
+    assert "Error: bad.jsonl:1: messages[1]: content is empty" in result.output
+    result = CliRunner().invoke(
+        cli,
+        [
+            "prepare",
+            str(bad),
+            "--tokenizer",
+            str(TOKENIZER),
+            "--out",
+            str(tmp_path / "o"),
+            "--seq-len",
+            "64",
+            "--map-role",
+            "tool",
+        ],
+    )
+    assert result.exit_code == 2 and "'tool' is not FROM=TO" in result.output
+    result = CliRunner().invoke(
+        cli,
+        [
+            "prepare",
+            str(bad),
+            "--tokenizer",
+            str(TOKENIZER),
+            "--out",
+            str(tmp_path / "o"),
+            "--seq-len",
+            "64",
+            "--val-shards",
+            "a,b",
+        ],
+    )
+    assert result.exit_code == 2 and "not a comma-separated list" in result.output
+
+
+@pytest.mark.slow  # a real interpreter importing the whole app (torch included)
+def test_real_process_exits_non_zero_without_traceback(tmp_path):
+    missing = tmp_path / "nothing"
+    missing.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", "from nedolm_sft.cli import main; main()", "verify", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "verified SFT contract missing" in proc.stderr
