@@ -120,14 +120,14 @@ def test_one_epoch_over_ranks_trains_every_target_once(
 def test_pad_id_comes_from_special_tokens_and_memory_is_pinned_with_cuda(corpus: Path) -> None:
     loader, dataset = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=2)
     assert dataset.pad_id == PAD_ID
-    assert loader.pin_memory == torch.cuda.is_available()
+    assert loader.dataloader.pin_memory == torch.cuda.is_available()
     _, custom = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=2, pad_id=9)
     assert custom.pad_id == 9
 
 
 def test_workers_ignore_sigterm(corpus: Path) -> None:
     loader, _ = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=2, num_workers=2)
-    assert loader.worker_init_fn is ignore_stop_signals
+    assert loader.dataloader.worker_init_fn is ignore_stop_signals
     stream = iter(loader)
     first = [next(stream) for _ in range(2)]
     workers = multiprocessing.active_children()

@@ -70,49 +70,51 @@ class LoaderStateError(ValueError):
 
 
 class _ShardWindows:
-    """One shard's windows in gather-ready form: per piece its shard-token source, its
-    offset in the row, and its target spans clipped to the piece, in row coordinates."""
+    """One shard's windows in gather-ready form, built once per process.
+
+    Per piece: ``shift`` turns a row position into its shard-token position; per window: its
+    token count. Per target span (clipped to its piece's ``[max(start, target_from), end)``):
+    its row start and length. Pieces and spans are grouped by window (CSR offsets), so a batch
+    row is a few slices and one fancy-index gather, never a per-token loop.
+    """
 
     def __init__(self, planned: PlannedShard) -> None:
         shard, pieces = planned.shard, planned.plan.pieces
-        self.tokens = shard.tokens
+        self.tokens = np.asarray(shard.tokens)  # plain view: np.memmap slicing runs Python hooks
         self.offsets = planned.plan.window_offsets.astype(np.int64)
+        pieces_per_window = np.diff(self.offsets)
         base = shard.index["token_start"].astype(np.int64)[pieces["doc"]]
-        self.src = base + pieces["start"]
-        self.length = length = pieces["end"].astype(np.int64) - pieces["start"]
+        src = base + pieces["start"]
+        self.length = pieces["end"].astype(np.int64) - pieces["start"]
         # Row offset of each piece: running length, restarted at every window.
-        self.dst = np.cumsum(length) - length
-        self.dst -= np.repeat(self.dst[self.offsets[:-1]], np.diff(self.offsets))
-        # Target spans of every piece, clipped to [max(start, target_from), end).
+        end = np.cumsum(self.length)
+        window_start = np.concatenate([[0], end])[self.offsets[:-1]]
+        dst = end - self.length - np.repeat(window_start, pieces_per_window)
+        self.shift = src - dst
+        self.window_len = np.concatenate([[0], end])[self.offsets[1:]] - window_start
         ranges = target_ranges(shard.index, shard.segments)
         span_end = ranges.start + ranges.length
         lo = base + np.maximum(pieces["start"], pieces["target_from"])
         hi = base + pieces["end"]
         first = np.searchsorted(span_end, lo, side="right")
-        last = np.searchsorted(ranges.start, hi, side="left")
-        per_piece = np.maximum(last - first, 0)
+        per_piece = np.maximum(np.searchsorted(ranges.start, hi, side="left") - first, 0)
         piece_of = np.repeat(np.arange(len(pieces)), per_piece)
         span = np.repeat(first, per_piece) + flat_ranges(per_piece)
-        shift = self.dst[piece_of] - self.src[piece_of]  # shard position -> row position
-        self.mask_start = np.maximum(ranges.start[span], lo[piece_of]) + shift
-        self.mask_end = np.minimum(span_end[span], hi[piece_of]) + shift
-        window_of_piece = np.repeat(np.arange(len(self.offsets) - 1), np.diff(self.offsets))
-        self.mask_offsets = np.searchsorted(
-            window_of_piece[piece_of], np.arange(len(self.offsets)), side="left"
-        )
+        span_lo = np.maximum(ranges.start[span], lo[piece_of])
+        self.span_start = span_lo - self.shift[piece_of]
+        self.span_len = np.minimum(span_end[span], hi[piece_of]) - span_lo
+        span_offsets = np.concatenate([[0], np.cumsum(per_piece)])
+        self.span_offsets = span_offsets[self.offsets]
 
-    def fill(self, window: int, tokens_row: np.ndarray, spans: list[np.ndarray]) -> None:
-        """Copy one window's tokens into ``tokens_row``; append its target spans."""
+    def gather(self, window: int, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Write one window's tokens into ``row``; return its target spans (row start, length)."""
         p0, p1 = self.offsets[window], self.offsets[window + 1]
-        for src, dst, n in zip(
-            self.src[p0:p1].tolist(),
-            self.dst[p0:p1].tolist(),
-            self.length[p0:p1].tolist(),
-            strict=True,
-        ):
-            tokens_row[dst : dst + n] = self.tokens[src : src + n]
-        m0, m1 = self.mask_offsets[window], self.mask_offsets[window + 1]
-        spans.append(np.stack([self.mask_start[m0:m1], self.mask_end[m0:m1]]))
+        n = self.window_len[window]
+        index = np.repeat(self.shift[p0:p1], self.length[p0:p1])
+        index += np.arange(n)
+        row[:n] = self.tokens[index]
+        m0, m1 = self.span_offsets[window], self.span_offsets[window + 1]
+        return self.span_start[m0:m1], self.span_len[m0:m1]
 
 
 class SFTWindowDataset(IterableDataset):
@@ -161,6 +163,8 @@ class SFTWindowDataset(IterableDataset):
         self.fingerprint = plan_fingerprint(self.shards)
         self.start_batch = self._resume_batch(resume_state) if resume_state else 0
         self._windows: list[_ShardWindows] | None = None  # built lazily in each process
+        self._epochs: dict[int, np.ndarray] = {}
+        self.layout = BatchLayout(micro_batch_size, seq_len + 1)
 
     def settings(self) -> dict[str, int]:
         """The values a state row must match to resume this stream."""
@@ -208,7 +212,7 @@ class SFTWindowDataset(IterableDataset):
             last = max(last, state["batch"])
         return last + 1
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[torch.Tensor]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         if max(1, self.num_workers) != workers:
@@ -223,11 +227,15 @@ class SFTWindowDataset(IterableDataset):
             batch += workers
 
     def epoch_windows(self, epoch: int) -> np.ndarray:
-        """Global window ids this rank trains in ``epoch``, in order."""
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.total_windows)
-        return perm[self.rank :: self.world_size]
+        """Global window ids this rank trains in ``epoch``, in order (cached: two epochs)."""
+        if epoch not in self._epochs:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.total_windows)
+            self._epochs = {e: w for e, w in self._epochs.items() if e == epoch - 1}
+            self._epochs[epoch] = perm[self.rank :: self.world_size]
+        return self._epochs[epoch]
 
-    def _batch(self, batch: int) -> dict[str, torch.Tensor]:
+    def _batch(self, batch: int) -> torch.Tensor:
+        """Batch ``batch`` of this rank, packed into one buffer (see ``BatchLayout``)."""
         size, row_len = self.micro_batch_size, self.seq_len + 1
         positions = np.arange(batch * size, (batch + 1) * size, dtype=np.int64)
         epochs = positions // self.windows_per_epoch
@@ -238,33 +246,86 @@ class SFTWindowDataset(IterableDataset):
             windows[rows] = self.epoch_windows(epoch)[cursors[rows]]
         shard_of = np.searchsorted(self.shard_offsets, windows, side="right") - 1
 
-        tokens = np.full((size, row_len), self.pad_id, np.int64)
-        spans: list[np.ndarray] = []
+        packed = torch.empty(self.layout.nbytes, dtype=torch.uint8)
+        tokens, mask, trainable_tokens, state = self.layout.views(packed.numpy())
+        tokens.fill(self.pad_id)
+        starts, lengths = [], []
         assert self._windows is not None
         for row, (shard, window) in enumerate(
             zip(shard_of.tolist(), windows.tolist(), strict=True)
         ):
-            self._windows[shard].fill(window - int(self.shard_offsets[shard]), tokens[row], spans)
-        # Mask from spans: +1 at each span start, -1 at its end, cumulative sum > 0.
-        flat = np.concatenate([s + row * row_len for row, s in enumerate(spans)], axis=1)
-        delta = np.bincount(flat[0], minlength=size * row_len + 1) - np.bincount(
-            flat[1], minlength=size * row_len + 1
-        )
-        mask = (np.cumsum(delta[:-1]) > 0).reshape(size, row_len)
+            span_start, span_len = self._windows[shard].gather(
+                window - int(self.shard_offsets[shard]), tokens[row]
+            )
+            starts.append(span_start + row * row_len)
+            lengths.append(span_len)
+        span_len = np.concatenate(lengths)
+        targets = np.repeat(np.concatenate(starts), span_len) + flat_ranges(span_len)
+        mask.fill(False)
+        mask.reshape(-1)[targets] = True
+        trainable_tokens[:] = mask.sum(axis=1)
 
         after = positions + 1
-        state = np.empty((size, len(STATE_COLUMNS)), np.int64)
         state[:, 0] = self.rank * max(1, self.num_workers) + batch % max(1, self.num_workers)
         state[:, 1] = after // self.windows_per_epoch
         state[:, 2] = after % self.windows_per_epoch
         state[:, 3] = batch
         state[:, 4:] = [self.settings()[name] for name in STATE_COLUMNS[4:]]
+        return packed
+
+
+class BatchLayout:
+    """One micro-batch as a single byte buffer: int64 tokens, int64 state, int64 target
+    counts, then the bool mask (8-byte fields first keeps every view aligned).
+
+    A DataLoader worker hands each tensor to the main process as its own shared-memory
+    segment and file descriptor; that costs far more than building the batch, so the
+    worker sends one buffer and the main process takes zero-copy views of it.
+    """
+
+    def __init__(self, micro_batch_size: int, row_len: int) -> None:
+        self.shape = (micro_batch_size, row_len)
+        cells = micro_batch_size * row_len
+        state_cells = micro_batch_size * len(STATE_COLUMNS)
+        self.bounds = np.cumsum([0, cells * 8, state_cells * 8, micro_batch_size * 8, cells])
+        self.nbytes = int(self.bounds[-1])
+
+    def views(self, buffer: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, mask, trainable_tokens, state) numpy views of a packed buffer."""
+        tokens, state, counts, mask = (
+            buffer[lo:hi] for lo, hi in zip(self.bounds[:-1], self.bounds[1:], strict=True)
+        )
+        return (
+            tokens.view(np.int64).reshape(self.shape),
+            mask.view(np.bool_).reshape(self.shape),
+            counts.view(np.int64),
+            state.view(np.int64).reshape(self.shape[0], len(STATE_COLUMNS)),
+        )
+
+    def unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch dict, as zero-copy views (pinned if ``packed`` is)."""
+        tokens, state, counts, mask = (
+            packed[lo:hi]
+            for lo, hi in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True)
+        )
         return {
-            "tokens": torch.from_numpy(tokens),
-            "trainable_mask": torch.from_numpy(mask),
-            "trainable_tokens": torch.from_numpy(mask.sum(axis=1)),
-            "state": torch.from_numpy(state),
+            "tokens": tokens.view(torch.int64).view(self.shape),
+            "trainable_mask": mask.view(torch.bool).view(self.shape),
+            "trainable_tokens": counts.view(torch.int64),
+            "state": state.view(torch.int64).view(self.shape[0], len(STATE_COLUMNS)),
         }
+
+
+class SFTLoader:
+    """Iterable of batch dicts: a DataLoader of packed buffers, unpacked as they arrive."""
+
+    def __init__(self, dataloader: DataLoader, layout: BatchLayout) -> None:
+        self.dataloader = dataloader
+        self.layout = layout
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for packed in self.dataloader:
+            yield self.layout.unpack(packed)
 
 
 def build_sft_loader(
@@ -280,8 +341,8 @@ def build_sft_loader(
     shards: Sequence[PlannedShard] | None = None,
     persistent_workers: bool = False,
     pad_id: int | None = None,
-) -> tuple[DataLoader, SFTWindowDataset]:
-    """An endless DataLoader of this rank's micro-batches, and the dataset behind it.
+) -> tuple[SFTLoader, SFTWindowDataset]:
+    """An endless iterable of this rank's micro-batches, and the dataset behind it.
 
     Batches: ``tokens`` [B, S+1] int64 (pad = the corpus pad id), ``trainable_mask`` [B, S+1]
     bool (token j is a target; never a pad, never column 0), ``trainable_tokens`` [B] int64,
@@ -331,14 +392,14 @@ def build_sft_loader(
             "persistent_workers": persistent_workers,
             "worker_init_fn": ignore_stop_signals,
         }
-    loader = DataLoader(
+    dataloader = DataLoader(
         dataset,
         batch_size=None,  # the dataset yields whole micro-batches
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         **workers,
     )
-    return loader, dataset
+    return SFTLoader(dataloader, dataset.layout), dataset
 
 
 def ignore_stop_signals(_worker_id: int) -> None:
