@@ -1,0 +1,163 @@
+"""``nedolm-sft inspect``: show training windows with their targets highlighted (nedolm.data)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from nedolm.data.format import ShardFormatError
+from nedolm.data.inspect import (
+    InspectError,
+    PieceView,
+    WindowView,
+    corpus_decoder,
+    document_windows,
+    iter_plan_rows,
+    window_view,
+)
+from nedolm.data.packing import PackingError, discover_sft_shards
+from nedolm.data.records import ROLE_HEADERS
+
+PACKING_AUDIT = "PACKING_POLICY_ADAPTIVE_AUDIT.json"
+
+
+def audited_seq_len(data_dir: Path) -> int:
+    """The seq_len the corpus's packing audit was computed for."""
+    path = data_dir / PACKING_AUDIT
+    try:
+        return int(json.loads(path.read_text(encoding="utf-8"))["seq_len"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise click.UsageError(f"{path} has no usable seq_len ({exc}); pass --seq-len") from exc
+
+
+def render_piece(piece: PieceView, decode: Callable[[list[int]], str] | None) -> str:
+    """A piece as text: role markers at message starts, targets in bold green."""
+    head = (
+        f"── shard {piece.shard_id} doc {piece.doc} (key {piece.doc_key:016x}) "
+        f"tokens [{piece.start}, {piece.end}) targets from {piece.target_from} ──"
+    )
+    out = [click.style(head, dim=True), "\n"]
+    for run in piece.runs:
+        if run.part == "header":
+            word = ROLE_HEADERS[run.role]
+            out.append(click.style(f"⟦{word}⟧ " if run.message_start else "⟦…⟧ ", fg="cyan"))
+        elif run.part == "eos":
+            out.append(click.style("⟨eos⟩", fg="magenta") + "\n")
+        else:
+            if run.part == "end":
+                text = "⟨/⟩"
+            elif decode is None:
+                text = " ".join(map(str, run.token_ids)) + " "
+            else:
+                text = decode(run.token_ids)
+            if run.message_start:  # the window starts inside this message (hard continuation)
+                text = "⟦…⟧ " + text
+            out.append(click.style(text, fg="green", bold=True) if run.target else text)
+            if run.part == "end":
+                out.append("\n")
+    return "".join(out)
+
+
+def render_window(view: WindowView, decode: Callable[[list[int]], str] | None) -> str:
+    padding = view.row_len - view.tokens
+    head = (
+        f"window {view.window} (shard {view.shard_id}, window {view.local_window}): "
+        f"{len(view.pieces)} pieces, {view.tokens} tokens, {view.targets} targets, "
+        f"{padding} padding"
+    )
+    body = "".join(render_piece(piece, decode) for piece in view.pieces)
+    tail = click.style(f"⟨pad × {padding}⟩", dim=True) if padding else ""
+    return f"{click.style(head, bold=True)}\n{body}{tail}"
+
+
+def view_json(view: WindowView) -> dict:
+    return {
+        "window": view.window,
+        "shard": view.shard_id,
+        "local_window": view.local_window,
+        "tokens": view.tokens,
+        "targets": view.targets,
+        "pieces": [
+            {
+                "doc": p.doc,
+                "doc_key": p.doc_key,
+                "start": p.start,
+                "end": p.end,
+                "target_from": p.target_from,
+                "runs": [
+                    {
+                        "part": r.part,
+                        "role": r.role,
+                        "target": r.target,
+                        "token_ids": r.token_ids,
+                    }
+                    for r in p.runs
+                ],
+            }
+            for p in view.pieces
+        ],
+    }
+
+
+@click.command("inspect")
+@click.argument("data_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=1),
+    help="Plan for this context (default: the seq_len of the corpus's packing audit).",
+)
+@click.option("--window", type=click.IntRange(min=0), help="Global window number (default 0).")
+@click.option(
+    "--doc", type=click.IntRange(min=0), help="Show the windows of this global document number."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--all", "all_windows", is_flag=True, help="Every window; with --json one line per window."
+)
+def inspect(
+    data_dir: Path,
+    seq_len: int | None,
+    window: int | None,
+    doc: int | None,
+    as_json: bool,
+    all_windows: bool,
+) -> None:
+    """Show training windows of DATA_DIR with targets highlighted and messages marked.
+
+    Windows are numbered across shards in shard-id order, as the training loader numbers them.
+    Targets are bold green, ⟦role⟧ marks a message start, ⟨/⟩ a message end.
+
+    \b
+    Examples:
+      nedolm-sft inspect corpus/ --window 12
+      nedolm-sft inspect corpus/ --all --json > plan.jsonl
+    """
+    if sum(x is not None and x is not False for x in (window, doc, all_windows)) > 1:
+        raise click.UsageError("--window, --doc and --all are mutually exclusive")
+    seq_len = seq_len or audited_seq_len(data_dir)
+    try:
+        shards = discover_sft_shards(data_dir, seq_len)
+        if all_windows and as_json:
+            for record in iter_plan_rows(shards):
+                click.echo(json.dumps(record))
+            return
+        if all_windows:
+            windows = list(range(sum(s.plan.counts.windows for s in shards)))
+        elif doc is not None:
+            windows = document_windows(shards, doc)
+        else:
+            windows = [window or 0]
+        views = [window_view(shards, w) for w in windows]
+    except (InspectError, ShardFormatError, PackingError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(
+            json.dumps([view_json(v) for v in views] if doc is not None else view_json(views[0]))
+        )
+        return
+    decode = corpus_decoder(data_dir)
+    for view in views:
+        click.echo(render_window(view, decode))
