@@ -70,3 +70,6 @@ from nedolm_sft.commands.train import init_base_command, run  # noqa: E402
 
 cli.add_command(run)
 cli.add_command(init_base_command)
+from nedolm_sft.commands.inspect import inspect  # noqa: E402
+
+cli.add_command(inspect)
