@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import pickle
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,7 @@ def main_rank_call(info: DistInfo, action: str, fn: Callable[[], T]) -> T:
             result = pickle.loads(payload)
     if error:
         raise RankError(action, {0: error}) from cause
-    return result  # type: ignore[return-value]  # set on every path that reaches here
+    return cast(T, result)  # fn's value (or rank 0's, unpickled) on every path that gets here
 
 
 def collect_rank_errors(info: DistInfo, local_error: str) -> list[str]:
@@ -128,7 +128,7 @@ def all_rank_call(info: DistInfo, action: str, fn: Callable[[], T]) -> T:
     failures = _gather_failures(action, info, local_error)
     if failures:
         raise RankError(action, failures) from cause
-    return result  # type: ignore[return-value]  # fn returned on this rank
+    return cast(T, result)  # fn returned on this rank
 
 
 def sync_control_flags(*, rank0_archive_due: bool, local_stop: bool) -> tuple[bool, bool]:
@@ -158,6 +158,8 @@ def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
     """
     if not is_distributed():
         return
+    if not 0 <= src < get_world_size():  # same answer on every rank, so raising here is safe
+        raise ValueError(f"broadcast_module_state: src={src} outside [0, {get_world_size()})")
     layouts = _all_gather("broadcast_module_state", _layout(module))
     failures = {
         rank: f"module differs: {_first_difference(layouts[src], layout, src)}"
@@ -188,8 +190,8 @@ def _collective(name: str) -> Iterator[None]:
         yield
     except RuntimeError as exc:  # torch reports dead or late peers as RuntimeError subclasses
         raise CollectiveError(
-            f"{name}: collective failed on rank {get_rank()} (a peer died, or did not arrive "
-            f"within the process-group timeout): {exc}"
+            f"{name}: collective failed on rank {get_rank()} (a peer may have died or missed "
+            f"the process-group timeout): {exc}"
         ) from exc
 
 
