@@ -63,7 +63,7 @@ def plot_run(run_dir: Path, out: Path) -> Path:
     speed_ax.set(title="throughput", xlabel="step", ylabel="context tokens / s")
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle(f"NedoLM SFT — {run_dir.name}")
+    fig.suptitle(f"NedoLM SFT — {run_dir}")
     fig.tight_layout()
 
     out.parent.mkdir(parents=True, exist_ok=True)
