@@ -1,13 +1,19 @@
 """Benchmark the adaptive packing planner at corpus scale, and its quality on the real data.
 
     python bench/packing.py measure   # once: real length histograms -> bench/packing_lengths.json
-    python bench/packing.py           # planning time for 2M and 4M synthetic conversations
+    python bench/packing.py plan      # planning time for 2M and 4M synthetic conversations
+    python bench/packing.py quality   # packing quality on the real data vs two baselines
+    python bench/packing.py           # plan + quality
 
 The synthetic corpus draws conversation shapes (a system message or not, the number of
 user/assistant turns) and per-role content lengths from histograms measured on the Turkish chat
 data in ../shared/data with a real tokenizer, so long documents (chains) are as frequent as in
 the real data. Planning runs on one core: the planner is single-threaded numpy and the script
 pins BLAS/OpenMP to one thread. Times are medians of ``--repeats`` runs.
+
+``quality`` builds the real Turkish chat data with the builder (``nedolm-sft prepare``'s
+library call) at each ``--seq-lens`` and prints ``packing_quality``: adaptive packing against
+one-conversation-per-row truncation and concatenate-then-chunk without isolation.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import itertools
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,12 +31,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 
-from nedolm.data.packing import PackingCounts, plan_shard
+from nedolm.data.builder import BuildOptions, build_corpus
+from nedolm.data.packing import PackingCounts, discover_sft_shards, plan_shard
+from nedolm.data.stats import packing_quality
 from nedolm.data.synthetic import layout, sample_conversations
 
 LENGTHS_FILE = Path(__file__).with_name("packing_lengths.json")
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TOKENIZER = "tokenizer/azadyasar_bpe32k/tokenizer.json"
+# mistral_v1 needs ~2.3x more tokens for Turkish: more long documents, so more chains.
+QUALITY_TOKENIZERS = (TOKENIZER, "tokenizer/mistral_v1/tokenizer.json")
 HEADER_WORDS = {"system": "sistem", "user": "kullanici", "assistant": "asistan"}
 
 
@@ -120,9 +131,39 @@ def bench_planning(args: argparse.Namespace) -> None:
                 )
 
 
+def bench_quality(args: argparse.Namespace) -> None:
+    inputs = sorted(p for p in (args.data / "tr_chat").glob("*.jsonl") if "alpaca" not in p.name)
+    print(f"real data: {len(inputs)} files of {args.data / 'tr_chat'}, 4 shards")
+    for tokenizer in QUALITY_TOKENIZERS:
+        print(f"\ntokenizer {tokenizer}")
+        print(
+            f"{'seq_len':>7} {'method':<13} {'rows':>6} {'valid ratio':>11} {'padding':>8} "
+            f"{'targets':>8} {'lost':>6} {'cross-doc':>9} {'split docs':>10} {'cont':>5}"
+        )
+        for seq_len in args.seq_lens:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "corpus"
+                options = BuildOptions(seq_len=seq_len, shards=4)
+                report = build_corpus(inputs, args.data / tokenizer, out, options)
+                quality = packing_quality(discover_sft_shards(out, seq_len), seq_len)
+            for method in ("adaptive", "truncate", "concat_chunk"):
+                q = quality[method]
+                print(
+                    f"{seq_len:>7} {method:<13} {q['rows']:>6,} "
+                    f"{q['valid_context_ratio']:>11.4f} {q['padding_ratio']:>8.4f} "
+                    f"{q['targets']:>8,} {q['targets_lost']:>6,} "
+                    f"{q.get('cross_document_targets', ''):>9} "
+                    f"{q.get('split_documents', ''):>10} {q.get('continuations', ''):>5}"
+                )
+            dropped = report.dropped
+            print(f"{'':>7} kept {report.documents:,} of {report.records:,}, dropped {dropped}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", choices=["plan", "measure"], default="plan")
+    parser.add_argument(
+        "mode", nargs="?", choices=["all", "plan", "quality", "measure"], default="all"
+    )
     parser.add_argument("--data", type=Path, default=SHARED_DATA)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2_000_000, 4_000_000])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 2048])
@@ -132,8 +173,11 @@ def main() -> None:
     if args.mode == "measure":
         LENGTHS_FILE.write_text(json.dumps(measure(args.data), indent=1) + "\n", encoding="utf-8")
         print(f"wrote {LENGTHS_FILE}")
-    else:
+        return
+    if args.mode in ("all", "plan"):
         bench_planning(args)
+    if args.mode in ("all", "quality"):
+        bench_quality(args)
 
 
 if __name__ == "__main__":
