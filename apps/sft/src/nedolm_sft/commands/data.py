@@ -168,9 +168,10 @@ def _echo_report(report: BuildReport, seconds: float) -> None:
         click.echo(f"{s.name:<{width}}  {s.records:>8}  {s.kept:>8}  {drops}")
     kept = sum(s.kept for s in report.sources)
     dropped = report.dropped
+    reasons = ", ".join(f"{k} {v}" for k, v in dropped.items())
     click.echo(
         f"records {report.records} = kept {kept} + dropped {sum(dropped.values())}"
-        + "".join(f" ({k} {v})" for k, v in dropped.items())
+        + (f" ({reasons})" if reasons else "")
     )
     state = "unchanged (identical rebuild)" if report.identical_rebuild else "written"
     click.echo(
