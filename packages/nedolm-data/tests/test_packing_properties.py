@@ -17,7 +17,7 @@ messages = st.tuples(
 )
 corpora = st.lists(st.lists(messages, min_size=1, max_size=8), max_size=25)
 seq_lens = st.integers(4, 64)
-SETTINGS = settings(max_examples=150, deadline=None)
+SETTINGS = settings(max_examples=100, deadline=None)
 
 
 def target_positions(index: np.ndarray, segments: np.ndarray, doc: int) -> set[int]:

@@ -126,12 +126,12 @@ def plan_shard(index: np.ndarray, segments: np.ndarray, seq_len: int) -> ShardPl
 
     # Stable sort: equal sizes keep document order, and a chain's pieces keep chain order.
     order = np.lexsort((docs, -sizes))
-    window_of = np.empty(len(order), np.int64)
-    window_of[order], n_windows = _best_fit_decreasing(sizes[order], window)
-    rows = order[np.argsort(window_of[order], kind="stable")]
+    window_of_placed, n_windows = _best_fit_decreasing(sizes[order], window)
+    by_window = np.argsort(window_of_placed, kind="stable")  # then in placement order
+    rows = order[by_window]
 
     pieces = np.empty(len(rows), PIECE_DTYPE)
-    pieces["window"] = window_of[rows]
+    pieces["window"] = window_of_placed[by_window]
     pieces["doc"] = docs[rows]
     pieces["start"] = starts[rows]
     pieces["end"] = ends[rows]
