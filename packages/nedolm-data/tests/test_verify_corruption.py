@@ -56,7 +56,9 @@ def test_flipped_byte_is_named(corpus, kind, where):
 def test_truncated_file_is_named(corpus, kind):
     path = _path(corpus, kind, shard_id=1)
     path.write_bytes(path.read_bytes()[:-4])
-    _problems_naming(corpus, path.name)
+    problems = _problems_naming(corpus, path.name)
+    # partial totals over the readable shards are not compared: no noise about other files
+    assert all(path.name in p for p in problems), problems
 
 
 @pytest.mark.parametrize("kind", KINDS)
