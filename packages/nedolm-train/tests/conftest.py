@@ -1,0 +1,297 @@
+"""Shared fixtures: one real prepared corpus and one tiny base run per test session, plus
+helpers that run the trainer in real subprocesses (``python -m nedolm.train``).
+
+The corpus is built by the real builder from the data package's committed fixture (real Turkish
+chat records, the mistral_v1 tokenizer) at seq_len 256: 4 shards, shard 2 held out, 38
+training windows, so with micro-batch 1 x grad-accum 2 an epoch is exactly 19 steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from nedolm.data.builder import BuildOptions, build_corpus
+from nedolm.data.format import read_special_tokens
+from nedolm.train.base import init_base
+from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
+from nedolm.train.metrics import read_metrics
+
+FIXTURES = Path(__file__).resolve().parents[2] / "nedolm-data" / "tests" / "fixtures"
+SEQ_LEN = 256
+VAL_SHARD = 2
+EPOCH_STEPS = 19  # 38 training windows / (micro_batch 1 * grad_accum 2)
+MAX_STEPS = EPOCH_STEPS + 3  # the reference run crosses one epoch boundary
+TINY = {
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "ffn_dim": 128,
+    "n_morph_classes": 3,
+    "morph_expert_dim": 32,
+    "max_seq_len": SEQ_LEN,
+}
+# Cadence keys are free; every other key is part of the reference recipe.
+BASE_SETTINGS: dict[str, dict[str, Any]] = {
+    "optim": {"lr": 3e-3, "warmup_steps": 3, "schedule": "cosine"},
+    "train": {
+        "seq_len": SEQ_LEN,
+        "micro_batch_size": 1,
+        "grad_accum_steps": 2,
+        "max_steps": MAX_STEPS,
+        "num_workers": 0,
+        "prefetch_factor": 2,
+        "compile": False,
+        "compile_backend": "aot_eager",
+        "log_interval": 1,
+        "control_interval": 1,
+        "ckpt_interval": 1000,
+        "keep_last": 3,
+        "keep_every": 0,
+        "archive_interval_hours": 0.0,
+    },
+    "validation": {"shard_ids": [VAL_SHARD], "interval": 10, "batches": 2},
+}
+PROCESS_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    tokenizer = root / "tokenizer.json"
+    with gzip.open(FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz", "rb") as src:
+        tokenizer.write_bytes(src.read())
+    inputs = sorted(p for p in (FIXTURES / "tr_chat").glob("*.jsonl") if "alpaca" not in p.name)
+    options = BuildOptions(seq_len=SEQ_LEN, shards=4, val_shards=(VAL_SHARD,))
+    build_corpus(inputs, tokenizer, root / "data", options)
+    return root / "data"
+
+
+@pytest.fixture(scope="session")
+def base_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    special = read_special_tokens(corpus)
+    out = tmp_path_factory.mktemp("base") / "base"
+    init_base(
+        out,
+        preset_name="tiny",
+        vocab_size=special.vocab_size,
+        eos_id=special.eos_id,
+        seed=1,
+        overrides=TINY,
+    )
+    return out
+
+
+def write_config(
+    path: Path, corpus: Path, base_run: Path, run_dir: Path, **sections: dict[str, Any]
+) -> Path:
+    """An SFT YAML: BASE_SETTINGS with per-section overrides."""
+    doc: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "base_config": str(base_run / "config.yaml"),
+        "base_run_dir": str(base_run),
+        "data_dir": str(corpus),
+    }
+    for section, values in BASE_SETTINGS.items():
+        doc[section] = {**values, **sections.get(section, {})}
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def make_config(corpus: Path, base_run: Path, tmp_path: Path) -> Callable[..., Path]:
+    """``make_config(name, **sections)`` -> config path whose run dir is tmp_path/name."""
+
+    def make(name: str = "run", **sections: dict[str, Any]) -> Path:
+        return write_config(
+            tmp_path / f"{name}.yaml", corpus, base_run, tmp_path / name, **sections
+        )
+
+    return make
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Job:
+    """Trainer processes (one per rank) started in their own session, output to files."""
+
+    def __init__(
+        self,
+        config: Path,
+        *,
+        world_size: int = 1,
+        env: dict[str, str] | None = None,
+        cli: bool = False,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        self.config = config
+        self.run_dir = Path(yaml.safe_load(config.read_text(encoding="utf-8"))["run_dir"])
+        port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        stamp = time.monotonic_ns()
+        for rank in range(world_size):
+            penv = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONWARNINGS": "ignore",
+                "NEDOLM_DIST_TIMEOUT_S": "60",
+                **(env or {}),
+            }
+            if world_size > 1:
+                penv |= {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(world_size),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                }
+            cmd = (
+                [str(Path(sys.executable).with_name("nedolm-sft")), "run", str(config), *args]
+                if cli
+                else [sys.executable, "-m", "nedolm.train", str(config), *args]
+            )
+            log = config.parent / f"{config.stem}-{stamp}-rank{rank}.log"
+            with log.open("wb") as out:
+                proc = subprocess.Popen(
+                    cmd, env=penv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            self.procs.append(proc)
+            self.logs.append(log)
+
+    def output(self, rank: int = 0) -> str:
+        return self.logs[rank].read_text(encoding="utf-8", errors="replace")
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to every rank's whole process group (main process and workers)."""
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
+
+    def wait(self, timeout: float = PROCESS_TIMEOUT_S) -> list[int]:
+        """Exit codes; a job still running after ``timeout`` is killed and fails the test."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                pytest.fail(f"trainer hung for {timeout}s:\n{self.output()[-3000:]}")
+        return codes
+
+    def wait_ok(self, timeout: float = PROCESS_TIMEOUT_S) -> None:
+        codes = self.wait(timeout)
+        assert codes == [0] * len(codes), "\n".join(
+            self.output(r)[-4000:] for r in range(len(codes))
+        )
+
+    def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float = 120) -> None:
+        """Poll until ``predicate()``; fail if the job exits or time runs out first."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if any(p.poll() is not None for p in self.procs):
+                pytest.fail(f"job exited before {what}:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.signal(signal.SIGKILL)
+                pytest.fail(f"timed out waiting for {what}")
+            time.sleep(0.02)
+
+    def wait_for_step(self, step: int) -> None:
+        self.wait_for(lambda: logged_step(self.run_dir) >= step, f"step {step}")
+
+    def wait_for_log(self, needle: str) -> None:
+        log = self.run_dir / "train.log"
+        self.wait_for(
+            lambda: log.exists() and needle in log.read_text(encoding="utf-8"), repr(needle)
+        )
+
+
+def logged_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [0]
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line being written right now
+            steps.append(int(json.loads(line).get("step", 0)))
+    return max(steps)
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """Training loss per step; a step logged twice (re-run after a kill) keeps the last."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    path = latest_checkpoint(run_dir)
+    assert path is not None, f"no checkpoint in {run_dir}"
+    return load_checkpoint(path)["model"]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: Path) -> Path:
+    """The uninterrupted run every resume is compared with (checkpoint at the epoch end)."""
+    root = tmp_path_factory.mktemp("reference")
+    config = write_config(
+        root / "ref.yaml",
+        corpus,
+        base_run,
+        root / "run",
+        train={"ckpt_interval": EPOCH_STEPS, "keep_last": 5},
+    )
+    Job(config).wait_ok()
+    return root / "run"
+
+
+def copy_checkpoint(run_dir: Path, step: int, into: Path) -> None:
+    """Seed a fresh run dir with one checkpoint of another run (a resume from exactly there)."""
+    target = into / "checkpoints"
+    target.mkdir(parents=True)
+    shutil.copy2(run_dir / "checkpoints" / f"step-{step:08d}.pt", target)
+
+
+@pytest.fixture(scope="session")
+def harness() -> SimpleNamespace:
+    """The helpers above, for test modules (importlib mode cannot import conftest by name)."""
+    return SimpleNamespace(
+        Job=Job,
+        step_losses=step_losses,
+        final_weights=final_weights,
+        assert_same_weights=assert_same_weights,
+        copy_checkpoint=copy_checkpoint,
+        write_config=write_config,
+        logged_step=logged_step,
+        EPOCH_STEPS=EPOCH_STEPS,
+        MAX_STEPS=MAX_STEPS,
+        SEQ_LEN=SEQ_LEN,
+        VAL_SHARD=VAL_SHARD,
+        TINY=TINY,
+    )
