@@ -1,0 +1,78 @@
+"""A dense run exported by ``nedolm-sft export`` is a working Hugging Face Llama model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from nedolm.model import generate
+from nedolm_sft.chat_model import load_chat_model
+
+PROMPT = "Türkiye'nin başkenti neresidir?"
+
+
+def nedolm_sft(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nedolm_sft", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def exported(dense_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "hf"
+    result = nedolm_sft("export", str(dense_run), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_export_loads_in_transformers_with_the_same_logits(dense_run: Path, exported: Path) -> None:
+    ours = load_chat_model(dense_run).model.eval()
+    theirs = LlamaForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, our_logits = ours(ids, return_logits=True)
+        their_logits = theirs(ids).logits
+    assert their_logits.shape[-1] == ours.cfg.vocab_size
+    diff = (our_logits[..., : ours.cfg.vocab_size] - their_logits).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_generate_equals_transformers_greedy_decoding(dense_run: Path, exported: Path) -> None:
+    chat = load_chat_model(exported)
+    prompt = chat.render([("user", PROMPT)])
+    stops = (chat.specials.message_end_id, chat.specials.eos_id)
+    ours = list(generate(chat.model, prompt, max_new_tokens=24, stop_ids=stops))
+    theirs_model = LlamaForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
+    out = theirs_model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=24,
+        do_sample=False,
+        eos_token_id=[chat.specials.message_end_id, chat.specials.eos_id],
+        pad_token_id=chat.specials.pad_id,
+    )
+    theirs = out[0, len(prompt) :].tolist()
+    if theirs and theirs[-1] in (chat.specials.message_end_id, chat.specials.eos_id):
+        theirs = theirs[:-1]
+    assert ours == theirs
+    assert len(ours) > 0
+
+    result = nedolm_sft("generate", str(exported), "--prompt", PROMPT, "--max-new-tokens", "24")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == chat.tokenizer.decode(ours).strip()
+
+
+def test_exported_tokenizer_encodes_the_control_tokens_at_corpus_ids(exported: Path) -> None:
+    chat = load_chat_model(exported)
+    hf = AutoTokenizer.from_pretrained(exported)
+    ids = hf.encode("<|mesaj_basla|>", add_special_tokens=False)
+    assert ids == [chat.specials.message_start_id]
+    assert hf.convert_tokens_to_ids("<|mesaj_bitir|>") == chat.specials.message_end_id
+    assert hf.eos_token_id == chat.specials.eos_id
