@@ -128,14 +128,15 @@ def test_pad_id_comes_from_special_tokens_and_memory_is_pinned_with_cuda(corpus:
 def test_workers_ignore_sigterm(corpus: Path) -> None:
     loader, _ = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=2, num_workers=2)
     assert loader.dataloader.worker_init_fn is ignore_stop_signals
-    stream = iter(loader)
-    first = [next(stream) for _ in range(2)]
-    workers = multiprocessing.active_children()
+    before = set(multiprocessing.active_children())
+    stream = iter(loader)  # starts the workers (the trainer relies on it to fail early)
+    workers = [p for p in multiprocessing.active_children() if p not in before]
     assert len(workers) == 2
+    first = next(stream)
     for worker in workers:
         os.kill(worker.pid, signal.SIGTERM)
         os.kill(worker.pid, signal.SIGINT)
-    later = [next(stream) for _ in range(4)]  # a dead worker would raise here
+    later = [next(stream) for _ in range(5)]  # a dead worker would raise here
     assert all(w.is_alive() for w in workers)
-    assert [int(b["state"][-1, 3]) for b in first + later] == list(range(6))
+    assert [int(b["state"][-1, 3]) for b in [first, *later]] == list(range(6))
     del stream

@@ -324,8 +324,8 @@ class SFTLoader:
         self.layout = layout
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for packed in self.dataloader:
-            yield self.layout.unpack(packed)
+        packed = iter(self.dataloader)  # starts the workers now, as iter(DataLoader) does
+        return (self.layout.unpack(p) for p in packed)
 
 
 def build_sft_loader(
