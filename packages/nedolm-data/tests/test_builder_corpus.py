@@ -255,3 +255,10 @@ def test_copied_corpus_still_verifies(tmp_path, fixture_corpus):
     np.testing.assert_array_equal(
         discover_shards(tmp_path / "copy")[0].tokens, discover_shards(fixture_corpus)[0].tokens
     )
+
+
+def test_bad_validation_ids_are_refused_before_any_work(tmp_path, tr_chat_inputs, tokenizer_json):
+    options = BuildOptions(seq_len=SEQ_LEN, shards=2, val_shards=(5,))
+    with pytest.raises(BuildError, match=r"validation shard ids \[5\] outside 0..1"):
+        build_corpus(tr_chat_inputs, tokenizer_json, tmp_path / "c", options)
+    assert list(tmp_path.iterdir()) == []

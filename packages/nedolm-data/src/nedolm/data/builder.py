@@ -47,7 +47,7 @@ from nedolm.data.packing import (
     DROP_NO_TARGET,
     document_drop_reason,
 )
-from nedolm.data.records import INDEX_DTYPE, SEGMENT_DTYPE, token_dtype
+from nedolm.data.records import INDEX_DTYPE, ROLE_NAMES, SEGMENT_DTYPE, token_dtype
 from nedolm.data.sources import (
     DUPLICATE_RECORD,
     SPECIAL_TOKEN_IN_CONTENT,
@@ -99,6 +99,11 @@ class BuildOptions:
             raise BuildError(f"--val-fraction must be in (0, 1), not {self.val_fraction}")
         if self.workers < 1 or self.chunk_records < 1:
             raise BuildError("--workers and the chunk size must be at least 1")
+
+    @property
+    def shard_count(self) -> int | None:
+        """Known before the build unless shards are filled up to ``shard_tokens``."""
+        return None if self.shard_tokens is not None else (self.shards or 1)
 
     def validation_ids(self, num_shards: int) -> list[int]:
         ids = sorted(set(self.val_shards))
@@ -170,7 +175,7 @@ class ChunkEncoder:
         self.end_id = specials.message_end_id
         self.eos_id = specials.eos_id
         self.forbidden = {specials.eos_id, specials.pad_id}
-        self.headers = [specials.role_header_token_ids[r] for r in specials.roles]
+        self.headers = [specials.role_header_token_ids[name] for name in ROLE_NAMES]
         self.dtype = token_dtype(specials.vocab_size)
 
     def encode(
@@ -293,9 +298,9 @@ class _ShardSink:
         self.directory = directory
         self.dtype = dtype
         self.shard_tokens = options.shard_tokens
-        count = options.shards if options.shard_tokens is None else 1
-        _ensure_open_files(3 * (count or 1))
-        self.writers = [_ShardWriter(directory, i, dtype) for i in range(count or 1)]
+        count = options.shard_count or 1  # --shard-tokens: shards open one after the other
+        _ensure_open_files(3 * count)
+        self.writers = [_ShardWriter(directory, i, dtype) for i in range(count)]
         self.documents = 0
 
     def add(self, doc: _Kept) -> None:
@@ -407,6 +412,8 @@ def build_corpus(
     _check_inputs(paths)
     out = Path(out)
     _check_out(out)
+    if options.shard_count is not None:
+        options.validation_ids(options.shard_count)  # refuse bad ids before the work
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer_file = f"{TOKENIZER_DIR}/{tokenizer.name}"
     specials = build_special_tokens(tokenizer, tokenizer_file)
