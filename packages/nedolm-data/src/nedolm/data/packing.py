@@ -111,7 +111,8 @@ def plan_shard(index: np.ndarray, segments: np.ndarray, seq_len: int) -> ShardPl
     chain_docs, chain_pieces, chains = [], [], []
     seg_start = index["segment_start"].astype(np.int64)
     seg_end = seg_start + index["segment_count"]
-    for d in np.flatnonzero(has_target & (token_len > window)).tolist():
+    long_docs = np.flatnonzero(has_target & (token_len > window))
+    for d in long_docs.tolist():
         chain = _plan_chain(segments[seg_start[d] : seg_end[d]], int(token_len[d]), window)
         chains.append(chain)
         chain_docs += [d] * len(chain.pieces)
@@ -138,13 +139,18 @@ def plan_shard(index: np.ndarray, segments: np.ndarray, seq_len: int) -> ShardPl
     pieces["target_from"] = target_from[rows]
 
     valid = int(sizes.sum())
+    # A whole document trains all its targets; only chain pieces need counting.
+    in_chain = np.isin(pieces["doc"], long_docs)
+    trained = int(doc_targets[whole].sum()) + int(
+        piece_target_counts(pieces[in_chain], index, targets).sum()
+    )
     counts = PackingCounts(
         documents=len(index),
         windows=n_windows,
         raw_tokens=int(token_len.sum()),
         valid_context_tokens=valid,
         padded_tokens=n_windows * window - valid,
-        assistant_target_tokens=int(piece_target_counts(pieces, index, targets).sum()),
+        assistant_target_tokens=trained,
         turn_aligned_continuations=sum(c.turn_aligned for c in chains),
         assistant_aligned_continuations=sum(c.assistant_aligned for c in chains),
         hard_continuations=sum(c.hard for c in chains),
@@ -410,7 +416,7 @@ def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, 
                 put(free - remaining * size, partial)
             if bucket is not None and not bucket.size:
                 del buckets[free]
-                open_free.remove(free)
+                del open_free[bisect_left(open_free, free)]
     return bin_of, n_bins
 
 
