@@ -158,25 +158,21 @@ def collectives(info: nd.DistInfo, out_dir: Path) -> Report:
     return report
 
 
-def wait_in_collective(info: nd.DistInfo, out_dir: Path, victim: str, mode: str) -> Report:
-    """Ranks other than ``victim`` enter a collective the victim never joins.
-
-    mode "kill": the victim idles until the parent SIGKILLs it. mode "stall": the victim
-    fails locally before the collective and lingers alive, so only the timeout can help.
-    """
-    if info.rank == int(victim):
-        if mode == "stall":
-            _ = outcome(lambda: int("not a number"))
-        (out_dir / f"ready{info.rank}").touch()
-        time.sleep(120)  # until the parent SIGKILLs it
-        return {}
+def wait_in_collective(info: nd.DistInfo, out_dir: Path, victim: str, collective: str) -> Report:
+    """Ranks other than ``victim`` enter ``collective`` (sum_all or sync_control_flags); the
+    victim never does. It idles, like a rank stuck in slow error handling, until the parent
+    SIGKILLs it (a dead peer) or the survivors time out (a live, stalled peer)."""
     (out_dir / f"ready{info.rank}").touch()
-    collective = (
-        (lambda: nd.sum_all(torch.ones(3)))
-        if mode == "kill"
-        else (lambda: nd.sync_control_flags(rank0_archive_due=False, local_stop=False))
-    )
-    report: Report = {"waited": outcome(collective), "error_at": time.time()}
+    if info.rank == int(victim):
+        time.sleep(120)
+        return {}
+    call = {
+        "sum_all": lambda: nd.sum_all(torch.ones(3)),
+        "sync_control_flags": lambda: nd.sync_control_flags(
+            rank0_archive_due=False, local_stop=False
+        ),
+    }[collective]
+    report: Report = {"waited": outcome(call), "error_at": time.time()}
     report["cleanup"] = outcome(nd.cleanup)
     return report
 

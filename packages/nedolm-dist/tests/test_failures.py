@@ -20,7 +20,7 @@ def test_killed_peer_becomes_error_on_survivors(
 ) -> None:
     survivors = [rank for rank in range(world_size) if rank != victim]
     with start_group(
-        tmp_path, world_size, "wait_in_collective", str(victim), "kill", timeout_s=TIMEOUT_S
+        tmp_path, world_size, "wait_in_collective", str(victim), "sum_all", timeout_s=TIMEOUT_S
     ) as group:
         for rank in range(world_size):
             group.wait_for_file(f"ready{rank}", deadline_s=90)
@@ -40,10 +40,12 @@ def test_killed_peer_becomes_error_on_survivors(
 
 @pytest.mark.slow
 def test_stalled_peer_times_out_instead_of_hanging(start_group, tmp_path) -> None:
-    # Rank 1 fails locally before the collective and lingers alive, so no socket closes:
-    # only the process-group timeout can release rank 0.
+    # Rank 1 never enters the collective but stays alive, so no socket closes: only the
+    # process-group timeout can release rank 0.
     timeout_s = 4.0
-    with start_group(tmp_path, 2, "wait_in_collective", "1", "stall", timeout_s=timeout_s) as group:
+    with start_group(
+        tmp_path, 2, "wait_in_collective", "1", "sync_control_flags", timeout_s=timeout_s
+    ) as group:
         group.wait([0], deadline_s=90)
         waited = group.report(0)["waited"]
         assert waited["error"] == "CollectiveError", waited
