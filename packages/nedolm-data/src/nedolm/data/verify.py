@@ -40,6 +40,7 @@ from nedolm.data.format import (
     ShardFormatError,
     SpecialTokens,
     discover_shards,
+    read_array,
     read_special_tokens,
 )
 from nedolm.data.hashing import ContentDigest, file_sha256, hash_files
@@ -78,14 +79,16 @@ def check_shard(shard: Shard, specials: SpecialTokens, seq_len: int) -> ShardFac
     """Recompute one shard's facts from its three files (vectorised, no per-token Python)."""
     facts = ShardFacts()
     name = shard.token_path.name.replace(".tokens.bin", "")
-    try:
-        tokens, segments, index = shard.tokens, shard.segments, shard.index
+    try:  # local maps, released on return: memory stays one shard whatever the corpus size
+        tokens = read_array(shard.token_path, "tokens")
+        segments = read_array(shard.segments_path, "segments")
+        index = read_array(shard.index_path, "index")
     except ShardFormatError as exc:
         facts.fail("offsets_lengths_exact", str(exc))
         facts.readable = False
         return facts
     facts.documents, facts.messages, facts.tokens = len(index), len(segments), len(tokens)
-    facts.doc_keys = np.asarray(index["doc_key"])
+    facts.doc_keys = np.array(index["doc_key"])
     if len(tokens):
         facts.max_token_id = int(tokens.max())
     layout = _check_offsets(name, tokens, segments, index, facts)
