@@ -243,3 +243,10 @@ def test_train_flag_must_be_boolean(tmp_path, sentencepiece_model):
 def test_role_map_target_must_be_a_registry_role():
     with pytest.raises(ValueError, match="tool=robot"):
         RecordPolicy(role_map={"tool": "robot"})
+
+
+def test_byte_order_mark_is_not_bad_input(tmp_path, sentencepiece_model):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n")
+    report = build_corpus([path], sentencepiece_model, tmp_path / "out", BuildOptions(seq_len=64))
+    assert report.documents == 1

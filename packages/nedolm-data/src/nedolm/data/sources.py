@@ -102,9 +102,14 @@ def doc_key(source_name: str, record_id: str) -> int:
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw bytes) of every non-blank line; memory is one line."""
+    """(1-based line number, raw bytes) of every non-blank line; memory is one line.
+
+    A UTF-8 byte order mark (common in exports from Windows tools) is skipped.
+    """
     with Path(path).open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
+            if line_no == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             if raw.strip():
                 yield line_no, raw
 
