@@ -126,14 +126,10 @@ def _check_offsets(
         bad.append(
             f"documents hold {int(seg_count.sum())} messages, the segments file {len(segments)}"
         )
-    if not np.array_equal(index["token_start"].astype(np.int64), expected_start):
-        bad.append(
-            f"token_start not contiguous (first bad document {_first(index['token_start'] != expected_start)})"
-        )
-    if not np.array_equal(index["segment_start"].astype(np.int64), expected_seg):
-        bad.append(
-            f"segment_start not contiguous (first bad document {_first(index['segment_start'] != expected_seg)})"
-        )
+    for field_name, expected in (("token_start", expected_start), ("segment_start", expected_seg)):
+        wrong = index[field_name].astype(np.int64) != expected
+        if wrong.any():
+            bad.append(f"{field_name} not contiguous (first bad document {_first(wrong)})")
     if (seg_count == 0).any():
         bad.append(f"document {_first(seg_count == 0)} has no message")
     if bad:
@@ -144,11 +140,10 @@ def _check_offsets(
     header_len = segments["header_len"].astype(np.int64)
     ends = np.cumsum(length)
     within = (ends - length) - np.repeat((ends - length)[expected_seg], seg_count)
-    if not np.array_equal(segments["start"].astype(np.int64), within):
-        facts.fail(
-            key,
-            f"{name}: messages not contiguous in document {_first_doc(segments['start'] != within, seg_count)}",
-        )
+    wrong = segments["start"].astype(np.int64) != within
+    if wrong.any():
+        doc = int(np.searchsorted(np.cumsum(seg_count), _first(wrong), side="right"))
+        facts.fail(key, f"{name}: messages not contiguous in document {doc}")
         return None
     last = expected_seg + seg_count - 1
     doc_end = within[last] + length[last]
@@ -157,11 +152,9 @@ def _check_offsets(
             key, f"{name}: messages + EOS do not fill document {_first(doc_end + 1 != token_len)}"
         )
         return None
-    if (header_len < 1).any() or (length < header_len + 1).any():
-        facts.fail(
-            key,
-            f"{name}: message {_first((header_len < 1) | (length < header_len + 1))} is shorter than its header and end token",
-        )
+    too_short = (header_len < 1) | (length < header_len + 1)
+    if too_short.any():
+        facts.fail(key, f"{name}: message {_first(too_short)} is shorter than header + end token")
         return None
     return np.repeat(expected_start, seg_count) + within
 
@@ -193,11 +186,9 @@ def _check_roles_and_targets(name: str, segments: np.ndarray, facts: ShardFacts)
     key = "assistant_only_trainable_contract_verified"
     if (trainable > 1).any():
         facts.fail(key, f"{name}: trainable flag other than 0/1 in message {_first(trainable > 1)}")
-    if ((trainable != 0) & (role != ROLE_ASSISTANT)).any():
-        facts.fail(
-            key,
-            f"{name}: non-assistant message {_first((trainable != 0) & (role != ROLE_ASSISTANT))} is trainable",
-        )
+    wrong = (trainable != 0) & (role != ROLE_ASSISTANT)
+    if wrong.any():
+        facts.fail(key, f"{name}: non-assistant message {_first(wrong)} is trainable")
 
 
 def _check_every_document_has_a_target(
@@ -235,10 +226,8 @@ def _check_controls(
     ):
         wrong = tokens[positions] != token_id
         if wrong.any():
-            facts.fail(
-                key,
-                f"{name}: {int(wrong.sum())} positions that must hold {what} do not (first at token {int(positions[_first(wrong)])})",
-            )
+            first = int(positions[_first(wrong)])
+            facts.fail(key, f"{name}: {int(wrong.sum())} {what} missing (first at token {first})")
         count = int(np.count_nonzero(tokens == token_id))
         if count != len(positions):
             facts.fail(key, f"{name}: {what} occurs {count} times, expected {len(positions)}")
@@ -287,10 +276,6 @@ def _content_digest(tokens: np.ndarray, segments: np.ndarray, starts: np.ndarray
 
 def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
-
-
-def _first_doc(message_mask: np.ndarray, seg_count: np.ndarray) -> int:
-    return int(np.searchsorted(np.cumsum(seg_count), _first(message_mask), side="right"))
 
 
 @dataclass
