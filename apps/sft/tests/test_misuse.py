@@ -1,0 +1,94 @@
+"""Misuse as a new user tries it: each mistake ends in a short, clear message, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+
+def nedolm_sft(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nedolm_sft", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+def assert_clear_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert 1 <= len(lines) <= 4, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+
+
+def write_config(path: Path, **changes: object) -> Path:
+    config = {
+        "run_dir": "run",
+        "base_config": "base/config.yaml",
+        "base_run_dir": "base",
+        "data_dir": "data",
+        "optim": {"lr": 1e-3},
+        "train": {"seq_len": 128, "num_workers": 0, "compile": False},
+    }
+    config.update(changes)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_run_with_a_missing_config_file(tmp_path: Path) -> None:
+    assert_clear_error(nedolm_sft("run", "nope.yaml", cwd=tmp_path), "nope.yaml")
+
+
+def test_run_with_a_typo_in_the_config_names_key_and_file(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "sft.yaml", train={"micro_bach_size": 2})
+    assert_clear_error(nedolm_sft("run", str(config), cwd=tmp_path), "micro_bach_size", "sft.yaml")
+
+
+def test_run_on_an_unprepared_data_directory(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    subprocess.run(
+        [sys.executable, "-m", "nedolm_sft", "init-base", "--preset", "tiny"]
+        + ["--vocab-size", "32003", "--eos-id", "2", "--out", str(tmp_path / "base")],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    config = write_config(tmp_path / "sft.yaml")
+    assert_clear_error(nedolm_sft("run", str(config), cwd=tmp_path), "SPECIAL_TOKENS.json")
+    loud = nedolm_sft("--debug", "run", str(config), cwd=tmp_path)
+    assert loud.returncode != 0
+    assert "Traceback" in loud.stderr
+
+
+def test_export_of_an_empty_run_directory(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    result = nedolm_sft("export", "run", "--out", "hf", cwd=tmp_path)
+    assert_clear_error(result, "run holds no checkpoint")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["generate", "missing-dir", "--prompt", "merhaba"], "missing-dir"),
+        (["plot", "missing-run"], "missing-run"),
+        (["verify", "not-a-corpus"], "not-a-corpus"),
+        (["prepare", "missing.jsonl", "--tokenizer", "t.json", "--out", "d"], "t.json"),
+    ],
+)
+def test_wrong_paths(tmp_path: Path, args: list[str], needle: str) -> None:
+    assert_clear_error(nedolm_sft(*args, cwd=tmp_path), needle)
+
+
+def test_plot_names_a_corrupt_metrics_line(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{not json\n')
+    assert_clear_error(nedolm_sft("plot", "run", cwd=tmp_path), "metrics.jsonl:2")
