@@ -250,3 +250,21 @@ def test_byte_order_mark_is_not_bad_input(tmp_path, sentencepiece_model):
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n")
     report = build_corpus([path], sentencepiece_model, tmp_path / "out", BuildOptions(seq_len=64))
     assert report.documents == 1
+
+
+def test_a_role_mapped_to_assistant_is_never_a_target(tmp_path, sentencepiece_model):
+    record = {
+        "messages": [
+            {"role": "user", "content": "hava?"},
+            {"role": "tool", "content": '{"derece": 21}'},
+            {"role": "assistant", "content": "21 derece."},
+        ]
+    }
+    path = _write(tmp_path / "t.jsonl", [json.dumps(record)])
+    policy = RecordPolicy(role_map={"tool": "assistant"})
+    build_corpus(
+        [path], sentencepiece_model, tmp_path / "out", BuildOptions(seq_len=256, policy=policy)
+    )
+    segments = _only_shard(tmp_path / "out").segments
+    assert segments["role"].tolist() == [1, 2, 2]
+    assert segments["trainable"].tolist() == [0, 0, 1]

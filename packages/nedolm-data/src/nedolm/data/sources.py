@@ -55,7 +55,7 @@ class RecordPolicy:
 
     invalid_records: str = "error"  # "error" | "drop": malformed JSON, empty content, ...
     unsupported_roles: str = "error"  # "error" | "drop": a role outside system/user/assistant
-    role_map: dict[str, str] = field(default_factory=dict)  # e.g. {"tool": "user"}
+    role_map: dict[str, str] = field(default_factory=dict)  # e.g. {"tool": "user"}; context only
 
     def __post_init__(self) -> None:
         for name in ("invalid_records", "unsupported_roles"):
@@ -171,7 +171,9 @@ def _chat_messages(raw_messages: Any, policy: RecordPolicy) -> tuple[Message, ..
         text = _content(item.get("content"), i, allow_empty=bool(tool_calls))
         if tool_calls:
             text = _with_tool_calls(text, tool_calls, i)
-        trainable = role == ROLE_ASSISTANT and train and not tool_calls
+        # A mapped role (e.g. tool=assistant) renders context; it never becomes a target.
+        mapped = role_name != item["role"]
+        trainable = role == ROLE_ASSISTANT and train and not tool_calls and not mapped
         messages.append(Message(role=role, text=text, trainable=trainable))
     return tuple(messages)
 
