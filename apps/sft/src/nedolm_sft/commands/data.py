@@ -93,7 +93,7 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     "--map-role",
     multiple=True,
     metavar="FROM=TO",
-    help="Rename a role before checking it, e.g. tool=user (repeatable).",
+    help="Rename a role before checking it, e.g. tool=user (repeatable); mapped messages are context only.",
 )
 @click.option(
     "--invalid-records",
