@@ -55,8 +55,20 @@ def test_run_with_a_typo_in_the_config_names_key_and_file(tmp_path: Path) -> Non
 def test_run_on_an_unprepared_data_directory(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     subprocess.run(
-        [sys.executable, "-m", "nedolm_sft", "init-base", "--preset", "tiny"]
-        + ["--vocab-size", "32003", "--eos-id", "2", "--out", str(tmp_path / "base")],
+        [
+            sys.executable,
+            "-m",
+            "nedolm_sft",
+            "init-base",
+            "--preset",
+            "tiny",
+            "--vocab-size",
+            "32003",
+            "--eos-id",
+            "2",
+            "--out",
+            str(tmp_path / "base"),
+        ],
         check=True,
         capture_output=True,
         timeout=120,
