@@ -1,22 +1,26 @@
 """The corpus builder: chat JSONL + a tokenizer → a verified DATA_DIR (SPEC §2).
 
 Records stream through in chunks, so memory is bounded by the chunk size and the number of
-chunks in flight, whatever the input size. Chunks are parsed and encoded in-process (a
-``tokenizers`` batch encode already uses every core) or in a pool of worker processes
+chunks in flight, whatever the input size (plus one set of document keys, ~100 bytes per
+document, to refuse duplicates). Chunks are parsed and encoded in-process (a ``tokenizers`` or
+``sentencepiece`` batch encode already uses every core) or in a pool of worker processes
 (``--workers``); results are consumed in input order, so the output is byte-identical for the
-same inputs and options. Everything is written into a temporary directory next to ``out`` and
+same inputs and options, whatever the number of workers. Everything is written into a temporary directory next to ``out`` and
 renamed into place only after the verifier passed: a crash never leaves a corpus that looks
 valid.
 """
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import math
 import multiprocessing
+import multiprocessing.pool
 import os
 import resource
 import shutil
+import sys
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -235,8 +239,29 @@ def _init_worker(
     tokenizer_path: Path, specials: SpecialTokens, policy: RecordPolicy, seq_len: int
 ) -> None:
     global _WORKER
-    os.environ["RAYON_NUM_THREADS"] = "1"  # one process per core already
     _WORKER = ChunkEncoder(load_tokenizer(tokenizer_path), specials, policy, seq_len)
+
+
+@contextlib.contextmanager
+def _worker_pool(workers: int, init: tuple) -> Iterator[multiprocessing.pool.Pool]:
+    """A pool of encoding processes, each with its own tokenizer.
+
+    Fork on Linux: spawned children would re-import the caller's ``__main__`` (for the CLI,
+    the whole app and torch: ~10 s each). ``TOKENIZERS_PARALLELISM=false`` while forking keeps
+    the children single-threaded and silences the library's fork warning.
+    """
+    method = "fork" if sys.platform == "linux" else "spawn"
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = multiprocessing.get_context(method).Pool(workers, _init_worker, init)
+    finally:
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    with pool:
+        yield pool
 
 
 def _encode_in_worker(source_name: str, lines: list[tuple[int, bytes]]) -> list[_Kept | Rejected]:
@@ -372,9 +397,8 @@ def _encoded_chunks(
         for source, lines in chunks:
             yield source, sum(len(r) for _, r in lines), encoder.encode(names[source], lines)
         return
-    context = multiprocessing.get_context("spawn")  # no forked tokenizer thread pools
     init = (encoder.tokenizer.path, encoder.specials, options.policy, options.seq_len)
-    with context.Pool(options.workers, initializer=_init_worker, initargs=init) as pool:
+    with _worker_pool(options.workers, init) as pool:
         pending: deque = deque()
         for source, lines in chunks:
             pending.append(
