@@ -1,0 +1,173 @@
+"""The step against an independent computation, and its fail-closed paths (in-process)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nedolm.data.format import read_special_tokens
+from nedolm.data.loader import build_sft_loader
+from nedolm.dist import DistInfo
+from nedolm.model import build_model, preset
+from nedolm.train.step import (
+    LossOptions,
+    StepError,
+    fetch_step_batches,
+    to_micro_batch,
+    train_step,
+)
+from nedolm.train.validation import run_validation
+
+CPU = DistInfo(0, 1, 0, torch.device("cpu"))
+FUSED = LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=False)
+
+
+@pytest.fixture(scope="module")
+def batches(corpus: Path, harness) -> list[dict[str, torch.Tensor]]:
+    loader, _ = build_sft_loader(corpus, harness.SEQ_LEN, micro_batch_size=2, seed=3)
+    return list(itertools.islice(iter(loader), 3))
+
+
+@pytest.fixture
+def model(corpus: Path, harness) -> torch.nn.Module:
+    torch.manual_seed(0)
+    vocab = read_special_tokens(corpus).vocab_size
+    return build_model(preset("tiny", **{**harness.TINY, "vocab_size": vocab}))
+
+
+def _slow_positions(row: list[int], eos_id: int) -> list[int]:
+    """Rotary position of every token: restarts after each EOS (reference for the layout)."""
+    out, pos = [], 0
+    for token in row:
+        out.append(pos)
+        pos = 0 if token == eos_id else pos + 1
+    return out
+
+
+def _reference_loss(model, batch_list, eos_id: int) -> tuple[torch.Tensor, int]:
+    """Every document of every row alone, full logits, summed CE over its targets."""
+    total, targets = torch.zeros(()), 0
+    for batch in batch_list:
+        tokens, mask = batch["tokens"], batch["trainable_mask"]
+        for row, row_mask in zip(tokens.tolist(), mask.tolist(), strict=True):
+            positions = _slow_positions(row[:-1], eos_id)
+            starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+            for a, b in itertools.pairwise(starts):
+                ids = torch.tensor(row[a:b])[None]
+                labels = torch.tensor(
+                    [
+                        t if m else -100
+                        for t, m in zip(row[a + 1 : b + 1], row_mask[a + 1 : b + 1], strict=True)
+                    ]
+                )[None]
+                if (labels != -100).any():
+                    _, logits = model(ids, return_logits=True)
+                    total = total + F.cross_entropy(logits[0], labels[0], reduction="sum")
+                    targets += int((labels != -100).sum())
+    return total, targets
+
+
+def test_micro_batch_labels_follow_the_mask(batches, corpus) -> None:
+    eos = read_special_tokens(corpus).eos_id
+    mb = to_micro_batch(batches[0], torch.device("cpu"), eos)
+    mask = batches[0]["trainable_mask"]
+    assert not mask[:, 0].any()  # position 0 of a window is never a target
+    expected = torch.where(mask[:, 1:], batches[0]["tokens"][:, 1:], -100)
+    assert torch.equal(mb.labels, expected) and mb.targets == int(mask.sum())
+    rows = batches[0]["tokens"][:, :-1].tolist()
+    assert mb.position_ids.tolist() == [_slow_positions(r, eos) for r in rows]
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_step_gradient_is_the_exact_global_target_mean(model, batches, corpus, head) -> None:
+    """SGD(lr=1): the weight change is minus the gradient of (sum of target losses / targets)."""
+    eos = read_special_tokens(corpus).eos_id
+    reference = copy.deepcopy(model)
+    micro = [to_micro_batch(b, torch.device("cpu"), eos) for b in batches[:2]]
+    targets = sum(mb.targets for mb in micro)
+    assert micro[0].targets != micro[1].targets  # a per-micro-batch mean would differ
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    options = LossOptions(assistant_only_head=head, loss_fp32_logits=True, use_amp=False)
+    params = list(model.parameters())
+    loss_sum, _ = train_step(
+        model,
+        params,
+        torch.optim.SGD(params, lr=1.0),
+        micro,
+        global_targets=targets,
+        world_size=1,
+        grad_clip=1e9,
+        options=options,
+        step=0,
+    )
+    ref_sum, ref_targets = _reference_loss(reference, batches[:2], eos)
+    assert ref_targets == targets
+    torch.testing.assert_close(loss_sum, ref_sum.detach(), rtol=1e-5, atol=1e-4)
+    (ref_sum / ref_targets).backward()
+    for name, param in reference.named_parameters():
+        step = before[name] - dict(model.named_parameters())[name].detach()
+        torch.testing.assert_close(step, param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_non_finite_gradient_stops_the_step(model, batches, corpus) -> None:
+    eos = read_special_tokens(corpus).eos_id
+    micro = [to_micro_batch(batches[0], torch.device("cpu"), eos)]
+    with torch.no_grad():
+        model.norm.weight.fill_(float("inf"))
+    params = list(model.parameters())
+    with pytest.raises(StepError, match="non-finite gradient norm at optimizer step 7"):
+        train_step(
+            model,
+            params,
+            torch.optim.SGD(params, lr=1.0),
+            micro,
+            global_targets=micro[0].targets,
+            world_size=1,
+            grad_clip=1.0,
+            options=FUSED,
+            step=7,
+        )
+
+
+def _without_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    mask = torch.zeros_like(batch["trainable_mask"])
+    return {**batch, "trainable_mask": mask, "trainable_tokens": mask.sum(1)}
+
+
+def test_fetch_updates_cursors_and_counts_targets(batches, corpus) -> None:
+    eos = read_special_tokens(corpus).eos_id
+    state: dict[int, list[int]] = {}
+    micro, targets = fetch_step_batches(
+        iter(batches), count=2, info=CPU, step=0, eos_id=eos, data_state=state
+    )
+    assert [mb.targets for mb in micro] == [int(b["trainable_mask"].sum()) for b in batches[:2]]
+    assert targets == sum(int(b["trainable_mask"][:, 1:].sum()) for b in batches[:2])
+    assert state == {0: batches[1]["state"][-1].tolist()}
+
+
+def test_zero_target_step_fails_closed(batches, corpus) -> None:
+    eos = read_special_tokens(corpus).eos_id
+    state = {0: [1, 2, 3]}
+    empty = [_without_targets(b) for b in batches[:2]]
+    with pytest.raises(StepError, match="optimizer step 5 has zero assistant targets"):
+        fetch_step_batches(iter(empty), count=2, info=CPU, step=5, eos_id=eos, data_state=state)
+    assert state == {0: [1, 2, 3]}  # a failed fetch does not move the cursor
+    with pytest.raises(StepError, match="StopIteration"):
+        fetch_step_batches(iter(batches[:1]), count=2, info=CPU, step=5, eos_id=eos, data_state={})
+
+
+def test_validation_is_the_exact_mean_and_refuses_zero_targets(model, batches, corpus) -> None:
+    eos = read_special_tokens(corpus).eos_id
+    result = run_validation(model, batches, CPU, batches=3, eos_id=eos, options=FUSED)
+    ref_sum, ref_targets = _reference_loss(model, batches, eos)
+    assert result.targets == ref_targets
+    assert result.loss == pytest.approx(float(ref_sum.detach()) / ref_targets, rel=1e-5)
+    assert model.training  # restored
+    empty = [_without_targets(b) for b in batches]
+    with pytest.raises(StepError, match="zero assistant targets"):
+        run_validation(model, empty, CPU, batches=3, eos_id=eos, options=FUSED)
