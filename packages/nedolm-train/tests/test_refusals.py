@@ -1,0 +1,164 @@
+"""Every refusal of the seed, through the real ``run()`` in this process: each error names what
+differs (the file, the key, the saved and the current value)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nedolm.train.config import load_sft_config
+from nedolm.train.trainer import run
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers() -> Iterator[None]:
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def _run(config: Path, **kw) -> None:
+    run(load_sft_config(config), compile=kw.pop("compile", False), **kw)
+
+
+def _copy_corpus(corpus: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(corpus, tmp_path / "corpus"))
+
+
+def _edit_json(path: Path, **changes) -> None:
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps({**doc, **changes}), encoding="utf-8")
+
+
+def _config_for(harness, tmp_path, corpus, base_run, name="run", **sections) -> Path:
+    return harness.write_config(
+        tmp_path / f"{name}.yaml", corpus, base_run, tmp_path / name, **sections
+    )
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (lambda d: (d / "SHARD_MANIFEST.json").unlink(), "SHARD_MANIFEST.json"),
+        (
+            lambda d: _edit_json(d / "FINAL_BINARY_VERIFY_REPORT.json", status="FAIL"),
+            "FINAL_BINARY_VERIFY_REPORT.json: the final binary verifier is not PASS",
+        ),
+        (
+            lambda d: _edit_json(d / "PACKING_POLICY_ADAPTIVE_AUDIT.json", status="FAIL"),
+            "PACKING_POLICY_ADAPTIVE_AUDIT.json",
+        ),
+    ],
+)
+def test_missing_or_failed_contract_files(harness, tmp_path, corpus, base_run, damage, needle):
+    data = _copy_corpus(corpus, tmp_path)
+    damage(data)
+    with pytest.raises(RuntimeError, match="validate dataset contract failed") as err:
+        _run(_config_for(harness, tmp_path, data, base_run))
+    assert needle in str(err.value)
+
+
+def test_changed_shard_bytes(harness, tmp_path, corpus, base_run):
+    data = _copy_corpus(corpus, tmp_path)
+    shard = data / "shards" / "sft-00001-of-00004.tokens.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError) as err:
+        _run(_config_for(harness, tmp_path, data, base_run))
+    assert "sha256 of shards/sft-00001-of-00004.tokens.bin changed" in str(err.value)
+
+
+def test_plan_differs_from_audit(harness, tmp_path, corpus, base_run):
+    data = _copy_corpus(corpus, tmp_path)
+    audit = data / "PACKING_POLICY_ADAPTIVE_AUDIT.json"
+    windows = json.loads(audit.read_text(encoding="utf-8"))["windows"]
+    _edit_json(audit, windows=windows + 1)
+    with pytest.raises(RuntimeError) as err:
+        _run(_config_for(harness, tmp_path, data, base_run))
+    assert f"windows: recomputed {windows} != audited {windows + 1}" in str(err.value)
+
+
+def test_seq_len_above_the_models(harness, tmp_path, corpus, base_run):
+    config = _config_for(harness, tmp_path, corpus, base_run, train={"seq_len": 512})
+    with pytest.raises(RuntimeError) as err:
+        _run(config)
+    assert "train.seq_len=512 exceeds the model's max_seq_len=256" in str(err.value)
+
+
+def test_backend_that_cannot_isolate_segments_here(harness, tmp_path, corpus, base_run):
+    base = Path(shutil.copytree(base_run, tmp_path / "base"))
+    doc = yaml.safe_load((base / "config.yaml").read_text(encoding="utf-8"))
+    doc["model"]["attn_impl"] = "flash"
+    (base / "config.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
+    with pytest.raises(RuntimeError) as err:
+        _run(_config_for(harness, tmp_path, corpus, base))
+    assert "attn_impl='flash' cannot run here" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def checkpointed(harness, tmp_path_factory, corpus, base_run) -> Path:
+    """A run dir holding a 2-step checkpoint (recipe: max_steps 2)."""
+    root = tmp_path_factory.mktemp("checkpointed")
+    config = harness.write_config(
+        root / "run.yaml", corpus, base_run, root / "run", train={"max_steps": 2}
+    )
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        _run(config)
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    return root / "run"
+
+
+@pytest.mark.parametrize(
+    ("sections", "needle"),
+    [
+        ({"optim": {"lr": 1e-3}}, "training.recipe.optim.lr: checkpoint 0.003 != now 0.001"),
+        ({"validation": {"shard_ids": [1]}}, "training.val_shard_ids: checkpoint [2] != now [1]"),
+        ({"train": {"max_steps": 5}}, "training.recipe.max_steps: checkpoint 2 != now 5"),
+        ({"train": {"num_workers": 1}}, "execution.num_workers: checkpoint 0 != now 1"),
+    ],
+)
+def test_resume_refuses_a_changed_run(
+    harness, tmp_path, corpus, base_run, checkpointed, sections, needle
+):
+    run_dir = Path(shutil.copytree(checkpointed, tmp_path / "run"))
+    sections = {**sections, "train": {"max_steps": 2, **sections.get("train", {})}}
+    config = _config_for(harness, tmp_path, corpus, base_run, **sections)
+    assert load_sft_config(config).run_dir == run_dir
+    with pytest.raises(RuntimeError, match=r"refusing to resume from .*step-00000002\.pt") as err:
+        _run(config)
+    assert needle in str(err.value)
+
+
+def test_resume_refuses_a_changed_compile_mode(harness, tmp_path, corpus, base_run, monkeypatch):
+    config = _config_for(
+        harness, tmp_path, corpus, base_run, train={"max_steps": 1, "compile": True}
+    )
+    monkeypatch.setenv("NEDOLM_TEST_FAULT", "compile_warmup@0")
+    _run(config, compile=True)  # the warm-up fails: this run trains (and saves) eagerly
+    monkeypatch.delenv("NEDOLM_TEST_FAULT")
+    with pytest.raises(RuntimeError) as err:
+        _run(config, compile=True)  # now the warm-up succeeds: another execution mode
+    assert "execution.effective_compile: checkpoint False != now True" in str(err.value)
+
+
+def test_resume_refuses_a_changed_dataset(harness, tmp_path, corpus, base_run, checkpointed):
+    shutil.copytree(checkpointed, tmp_path / "run")
+    data = _copy_corpus(corpus, tmp_path)
+    special = data / "SPECIAL_TOKENS.json"  # same content, other bytes: another contract file
+    special.write_text(json.dumps(json.loads(special.read_text(encoding="utf-8")), indent=1))
+    config = _config_for(harness, tmp_path, data, base_run, train={"max_steps": 2})
+    with pytest.raises(RuntimeError) as err:
+        _run(config)
+    assert "dataset.fingerprint: checkpoint" in str(err.value)
+    assert "dataset.special_tokens_sha256: checkpoint" in str(err.value)
