@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -70,6 +70,15 @@ BASE_SETTINGS: dict[str, dict[str, Any]] = {
     "validation": {"shard_ids": [VAL_SHARD], "interval": 10, "batches": 2},
 }
 PROCESS_TIMEOUT_S = 180
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers() -> Iterator[None]:
+    """In-process runs install SIGTERM/SIGUSR1 handlers; give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,6 @@ import yaml
 
 from nedolm.train.config import load_sft_config
 from nedolm.train.trainer import run
-
-
-@pytest.fixture(autouse=True)
-def _restore_signal_handlers() -> Iterator[None]:
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
 
 
 def _run(config: Path, **kw) -> None:

@@ -1,0 +1,68 @@
+"""A whole run in this process: what lands in the run dir, cadences, max_hours, archives,
+rotation when a run dir is reused."""
+
+from __future__ import annotations
+
+import json
+
+from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
+from nedolm.train.config import load_sft_config
+from nedolm.train.metrics import read_metrics
+from nedolm.train.trainer import run
+
+
+def test_run_dir_contents_and_cadences(make_config) -> None:
+    config = make_config(
+        train={"max_steps": 6, "log_interval": 2, "ckpt_interval": 2, "keep_last": 2},
+        validation={"interval": 4},
+    )
+    run(load_sft_config(config), compile=False)
+    run_dir = config.with_suffix("")
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("kind") != "validation"]
+    val = [r for r in records if r.get("kind") == "validation"]
+    assert [r["step"] for r in train] == [1, 2, 4, 6]  # first step, every 2, the last
+    for record in train:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= record.keys()
+        assert record["loss"] > 0 and record["tokens_per_s"] > 0
+    assert [r["step"] for r in val] == [0, 4, 6]  # at start, every 4, at the end
+    assert all(r["val_loss"] > 0 and r["val_assistant_tokens"] > 0 for r in val)
+    assert [s for s, _ in list_checkpoints(run_dir)] == [4, 6]
+    state = load_checkpoint(run_dir / "checkpoints" / "step-00000006.pt")
+    assert state["progress"]["step"] == 6 and set(state["contract"]) == {
+        "dataset",
+        "training",
+        "execution",
+    }
+    meta = json.loads((run_dir / "run_metadata.json").read_text(encoding="utf-8"))
+    assert [s["start_step"] for s in meta["starts"]] == [0]
+    resolved = json.loads((run_dir / "config.resolved.json").read_text(encoding="utf-8"))
+    assert resolved["max_steps"] == 6 and resolved["corpus_stats"]["windows"] == 38
+    log = (run_dir / "train.log").read_text(encoding="utf-8")
+    assert "step 6/6 loss" in log and "eta 0:00:00" in log
+
+    # Reusing the run dir: a finished run resumes, trains nothing and keeps its checkpoints.
+    run(load_sft_config(config), compile=False)
+    assert [s for s, _ in list_checkpoints(run_dir)] == [4, 6]
+    meta = json.loads((run_dir / "run_metadata.json").read_text(encoding="utf-8"))
+    assert [s["start_step"] for s in meta["starts"]] == [0, 6]
+
+
+def test_max_hours_checkpoints_and_returns(make_config) -> None:
+    config = make_config(train={"max_hours": 1e-9, "control_interval": 3})
+    run(load_sft_config(config), compile=False)
+    run_dir = config.with_suffix("")
+    assert [s for s, _ in list_checkpoints(run_dir)] == [3]  # the first control point
+    assert "stop requested (max_hours)" in (run_dir / "train.log").read_text(encoding="utf-8")
+
+
+def test_archives_on_a_wall_clock_cadence(make_config) -> None:
+    config = make_config(
+        train={"max_steps": 3, "archive_interval_hours": 1e-9, "control_interval": 2}
+    )
+    run(load_sft_config(config), compile=False)
+    archives = sorted((config.with_suffix("") / "archives").iterdir())
+    assert [p.name for p in archives] == ["model-00000002.pt", "model-00000003.pt"]
+    archive = load_checkpoint(archives[-1])
+    assert set(archive) >= {"model", "model_config", "eos_id", "fingerprints"}
+    assert "optimizer" not in archive
