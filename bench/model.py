@@ -8,7 +8,8 @@ Prints three markdown tables (medians over --repeats interleaved runs):
      target <= 25%;
   3. step time of the morph model with masked and sparse dispatch relative to dense.
 
-Usage: python bench/model.py [--repeats 5] [--threads 2]
+Usage: python bench/model.py [--repeats 3] [--threads 1]
+(one thread by default: on a shared CPU it is the least noisy comparison)
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ def probe(kind: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--head-probe", choices=["naive", "fused"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

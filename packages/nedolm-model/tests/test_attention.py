@@ -35,7 +35,7 @@ def test_grouped_sdpa_matches_naive_per_segment_attention(lengths: list[int]) ->
     total = sum(lengths)
     q, k, v = torch.randn(total, 4, 8), torch.randn(total, 2, 8), torch.randn(total, 2, 8)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    out = varlen_attention(q, k, v, build_layout("sdpa", cu_seqlens, None))
+    out = varlen_attention(q, k, v, build_layout("sdpa", cu_seqlens, None, total))
     want = naive_segment_attention(q, k, v, cu_seqlens)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -104,3 +104,13 @@ def test_unavailable_backends_are_refused_with_the_reason(make_model) -> None:
     model = make_model(attn_impl="torch_varlen")
     with pytest.raises(AttentionBackendError, match="needs a CUDA device"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_inconsistent_layouts_are_refused(make_model) -> None:
+    model = make_model()
+    input_ids = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    for bad in ([0, 5, 12], [1, 8, 16], [0, 8, 8, 16]):
+        with pytest.raises(ValueError, match="token count 16"):
+            model(input_ids, cu_seqlens=torch.tensor(bad, dtype=torch.int32))
+    with pytest.raises(ValueError, match="labels shape"):
+        model(input_ids, input_ids[:, :4])

@@ -23,7 +23,7 @@ def test_masked_block_traces_as_one_graph(make_model) -> None:
         model.tok_embeddings(ids_T),
         model.rope_cos[positions_T],
         model.rope_sin[positions_T],
-        build_layout("sdpa", layout["cu_seqlens"], None),
+        build_layout("sdpa", layout["cu_seqlens"], None, ids_T.numel()),
         model._route(ids_T),
     )
     explanation = torch._dynamo.explain(model.blocks[0])(*args)

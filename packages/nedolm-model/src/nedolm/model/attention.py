@@ -93,8 +93,15 @@ class VarlenLayout:
     inverse: Tensor | None
 
 
-def build_layout(impl: str, cu_seqlens: Tensor, max_seqlen: int | None) -> VarlenLayout:
-    """Precompute a backend's view of the segments (the sdpa plan needs the lengths on host)."""
+def build_layout(
+    impl: str, cu_seqlens: Tensor, max_seqlen: int | None, n_tokens: int
+) -> VarlenLayout:
+    """Precompute a backend's view of the segments (the sdpa plan needs the lengths on host).
+
+    Raises:
+        ValueError: (sdpa, which reads the offsets anyway) cu_seqlens does not split
+            [0, n_tokens) into non-empty segments.
+    """
     cu_seqlens = cu_seqlens.to(torch.int32)
     if impl != "sdpa":
         if max_seqlen is None:
@@ -102,8 +109,11 @@ def build_layout(impl: str, cu_seqlens: Tensor, max_seqlen: int | None) -> Varle
         return VarlenLayout(impl, cu_seqlens, max_seqlen, [], None)
     bounds = cu_seqlens.tolist()
     starts, lengths = bounds[:-1], [e - s for s, e in itertools.pairwise(bounds)]
-    if min(lengths) <= 0:
-        raise ValueError(f"cu_seqlens must be strictly increasing, got {bounds[:16]}...")
+    if bounds[0] != 0 or bounds[-1] != n_tokens or min(lengths, default=0) <= 0:
+        raise ValueError(
+            f"cu_seqlens must rise strictly from 0 to the token count {n_tokens}, "
+            f"got {len(bounds)} offsets {bounds[:4]}...{bounds[-2:]}"
+        )
     if len(set(lengths)) == 1:
         return VarlenLayout(impl, cu_seqlens, lengths[0], [None], None)
     return _grouped_layout(cu_seqlens, starts, lengths)

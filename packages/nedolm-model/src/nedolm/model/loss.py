@@ -87,7 +87,9 @@ def _chunked_loss(
         # d(lse - logit_y) / d logits = softmax - onehot(y), built in place over the logits.
         grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
         grad_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
-        grad_CV = grad_CV.mul_(scale).to(compute_dtype)
+        if scale != 1.0:  # mean: scale before rounding to compute_dtype, as autograd would
+            grad_CV.mul_(scale)
+        grad_CV = grad_CV.to(compute_dtype)
         grad_hidden_ND[start : start + chunk_rows] = grad_CV @ weight_VD
         grad_weight_VD += (grad_CV.T @ h_CD).float()
     if mean:

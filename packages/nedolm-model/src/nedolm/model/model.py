@@ -214,19 +214,23 @@ class MorphTransformer(nn.Module):
                 f"forward: input_ids must be [B, S] or [S], got {tuple(input_ids.shape)}"
             )
         shape = input_ids.shape
+        if labels is not None and labels.shape != shape:
+            raise ValueError(
+                f"forward: labels shape {tuple(labels.shape)} != input_ids shape {tuple(shape)}"
+            )
         ids_T = input_ids.reshape(-1)
         T = ids_T.numel()
         if cu_seqlens is None:
             row_len = shape[-1]
             cu_seqlens = torch.arange(0, T + 1, row_len, dtype=torch.int32, device=ids_T.device)
             max_seqlen = row_len
+        impl = resolve_attn_impl(self.cfg.attn_impl, ids_T.device)
+        layout = build_layout(impl, cu_seqlens, max_seqlen, T)
         positions_T = (
             positions_from_cu_seqlens(cu_seqlens, T)
             if position_ids is None
             else position_ids.reshape(-1)
         )
-        impl = resolve_attn_impl(self.cfg.attn_impl, ids_T.device)
-        layout = build_layout(impl, cu_seqlens, max_seqlen)
         hidden_TD = self.hidden_states(ids_T, positions_T, layout)
 
         loss = logits = None

@@ -1,0 +1,197 @@
+"""CUDA benchmark of nedolm-model (run by bench/gpu.sh).
+
+1. Backend agreement in bf16: every available attention backend against `sdpa` on the same
+   packed rows: logits, fused-head loss and every gradient.
+2. Training-step tokens/s and MFU of a preset (default nedolm-0.8b) at seq_len 4096 on packed
+   rows with 40% targets, for each backend, eager and compiled (each block compiled with
+   fullgraph=True; one compiled graph serves all blocks, so compile takes seconds, not minutes).
+
+MFU counts the FLOPs the model needs: 6 x matmul parameters per token (one morph expert per
+token, not the three that `masked` dispatch runs), 6 x vocab x d_model per *target* token (the
+fused head skips the rest) and causal attention 12 x d_model per (query, visible key) pair (QK^T and PV).
+`--device cpu --preset tiny --seq-len 256` smoke-tests the script on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from nedolm.model import ModelConfig, attention_backends, build_model, packed_layout, preset
+
+TARGET_FRACTION, EOS_ID = 0.4, 2
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+def packed_rows(cfg: ModelConfig, batch: int, seq_len: int, device: str, seed: int = 0):
+    """Rows packed with conversations of 64..seq_len/2 tokens (EOS-separated), 40% targets."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, cfg.vocab_size, (batch, seq_len), generator=gen)
+    for row in range(batch):
+        col = 0
+        while col < seq_len:
+            col += int(torch.randint(64, max(65, seq_len // 2), (1,), generator=gen))
+            if col < seq_len:
+                input_ids[row, col - 1] = EOS_ID
+    labels = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)
+    labels[torch.rand(batch, seq_len, generator=gen) >= TARGET_FRACTION] = -100
+    cu_seqlens, position_ids = packed_layout(input_ids, EOS_ID)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    layout = dict(
+        cu_seqlens=cu_seqlens.to(device),
+        max_seqlen=int(lengths.max()),
+        position_ids=position_ids.to(device),
+    )
+    return input_ids.to(device), labels.to(device), layout, lengths
+
+
+def build(cfg: ModelConfig, backend: str, device: str, state: dict | None = None):
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(cfg, attn_impl=backend)).to(device)
+    if cfg.n_morph_classes:
+        classes = torch.randint(0, cfg.n_morph_classes, (cfg.vocab_size,))
+        model.set_morph_classes(classes.to(device))
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def loss_grads_logits(model, input_ids, labels, layout, device: str):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss, _ = model(input_ids, labels, return_logits=False, loss_reduction="sum", **layout)
+    loss.backward()
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        _, logits = model(input_ids, **layout)
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    return loss.detach().float(), grads, logits.float()
+
+
+def agreement(cfg: ModelConfig, backends: list[str], seq_len: int, device: str) -> None:
+    cfg = dataclasses.replace(cfg, n_layers=2)
+    batch = packed_rows(cfg, 2, seq_len, device, seed=1)[:3]
+    ref_model = build(cfg, "sdpa", device)
+    state = ref_model.state_dict()
+    ref_loss, ref_grads, ref_logits = loss_grads_logits(ref_model, *batch, device)
+    print(f"## Backend agreement vs sdpa, bf16 autocast, 2 layers, 2x{seq_len} packed tokens\n")
+    print("| backend | max abs logit diff / max abs logit | loss rel diff | worst grad rel diff |")
+    print("|---|---|---|---|")
+    for backend in backends:
+        loss, grads, logits = loss_grads_logits(build(cfg, backend, device, state), *batch, device)
+        logit_err = float((logits - ref_logits).abs().max() / ref_logits.abs().max())
+        loss_err = float((loss - ref_loss).abs() / ref_loss.abs())
+        grad_err = max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items())
+        print(f"| {backend} | {logit_err:.2e} | {loss_err:.2e} | {grad_err:.2e} |")
+    print("\n(bf16 rounding: expect <= ~2e-2 everywhere; larger means a backend bug)\n")
+
+
+def model_flops(cfg: ModelConfig, n_tokens: int, n_targets: int, lengths: torch.Tensor) -> float:
+    """Forward + backward FLOPs the step needs (see module docstring)."""
+    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    per_layer = d * (d + 2 * kv) + d * d + 3 * d * cfg.ffn_dim + 3 * d * cfg.morph_expert_dim
+    matmul = 6 * cfg.n_layers * per_layer * n_tokens + 6 * cfg.vocab_size * d * n_targets
+    visible_pairs = float((lengths * (lengths + 1) // 2).sum())
+    return matmul + 12 * cfg.n_layers * d * visible_pairs
+
+
+def throughput(
+    cfg: ModelConfig, backend: str, compiled: bool, args: argparse.Namespace, peak_tflops: float
+) -> str:
+    model = build(cfg, backend, args.device)
+    if compiled:
+        for block in model.blocks:
+            block.compile()  # not fullgraph: older flash-attn builds break the graph
+    fused = args.device == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
+    input_ids, labels, layout, lengths = packed_rows(cfg, args.batch, args.seq_len, args.device)
+
+    def step() -> None:
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            loss, _ = model(input_ids, labels, return_logits=False, loss_reduction="sum", **layout)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    start = time.perf_counter()
+    step()  # compile and allocator warm-up
+    _sync(args.device)
+    compile_s = time.perf_counter() - start if compiled else 0.0
+    step()
+    times = []
+    for _ in range(args.steps):
+        _sync(args.device)
+        start = time.perf_counter()
+        step()
+        _sync(args.device)
+        times.append(time.perf_counter() - start)
+    secs = statistics.median(times)
+    tokens = input_ids.numel()
+    flops = model_flops(cfg, tokens, int((labels != -100).sum()), lengths)
+    mfu = f"{flops / secs / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a"
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
+    mode = "compiled" if compiled else "eager"
+    return (
+        f"| {backend} | {mode} | {secs * 1e3:.0f} | {tokens / secs:,.0f} | {mfu} | "
+        f"{compile_s:.0f} | {peak_mem:.1f} |"
+    )
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", default="nedolm-0.8b")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--dispatch", default="masked", choices=["masked", "sparse"])
+    parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak")
+    parser.add_argument("--budget-s", type=float, default=420, help="skip configs after this")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    cfg = preset(args.preset, morph_dispatch=args.dispatch, max_seq_len=args.seq_len)
+    backends = [name for name, why in attention_backends(args.device).items() if why is None]
+    peak = args.peak_tflops
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    if peak is None:
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
+    print(f"device {name}, torch {torch.__version__}, peak bf16 {peak or 'unknown'} TFLOP/s")
+    for backend, why in attention_backends(args.device).items():
+        print(f"- {backend}: {'available' if why is None else why}")
+    print()
+    agreement(cfg, backends, min(args.seq_len, 2048), args.device)
+
+    with torch.device("meta"):  # count without allocating
+        n_params = build_model(cfg).num_params()
+    print(f"## Training step, {args.preset} ({n_params / 1e9:.2f}B params, {args.dispatch})")
+    print(
+        f"{args.batch}x{args.seq_len} packed tokens, {TARGET_FRACTION:.0%} targets, bf16 autocast"
+    )
+    print(f"AdamW, median of {args.steps} steps\n")
+    print("| backend | mode | step ms | tokens/s | MFU | compile s | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for backend in backends:
+        for compiled in (False, True):
+            if time.perf_counter() - began > args.budget_s:
+                print(f"| {backend} | {'compiled' if compiled else 'eager'} | skipped: budget |")
+                continue
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                print(throughput(cfg, backend, compiled, args, peak), flush=True)
+            except torch.OutOfMemoryError:
+                print(f"| {backend} | {'compiled' if compiled else 'eager'} | OOM: lower --batch |")
+            torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
