@@ -24,7 +24,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 
@@ -91,9 +91,10 @@ class TransportOnly(IterableDataset):
             yield torch.empty(self.nbytes, dtype=torch.uint8)
 
 
-def loader_pass(loader, batches: int) -> float:
+def loader_pass(loader: Iterable, batches: int, workers: int) -> float:
     stream = iter(loader)
-    next(stream)  # start workers and build their tables outside the timing
+    for _ in range(max(1, workers)):  # every worker has built its tables before the timing
+        next(stream)
     start = time.perf_counter()
     for _ in islice(stream, batches):
         pass
@@ -127,13 +128,13 @@ def main() -> None:
                 prefetch_factor=4, shards=shards,
             )  # fmt: skip
             results[f"loader, {workers} workers"] = [
-                loader_pass(loader, args.batches) for _ in range(args.repeats)
+                loader_pass(loader, args.batches, workers) for _ in range(args.repeats)
             ]
         transport = DataLoader(
             TransportOnly(dataset.layout.nbytes), batch_size=None, num_workers=2, prefetch_factor=4
         )
         results["DataLoader transport, 2 workers"] = [
-            loader_pass(transport, args.batches) for _ in range(args.repeats)
+            loader_pass(transport, args.batches, 2) for _ in range(args.repeats)
         ]
         batches = batch_windows(dataset, args.batches)
         results["memmap rows"] = [

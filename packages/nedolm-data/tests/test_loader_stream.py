@@ -3,6 +3,8 @@
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 from itertools import islice
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from nedolm.data.loader import build_sft_loader, ignore_stop_signals
+from nedolm.data.loader import StopSignalGuard, build_sft_loader
 from nedolm.data.packing import PlannedShard, discover_sft_shards
 from nedolm.data.synthetic import PAD_ID, UNIQUE_BASE_ID, random_conversations, write_corpus
 
@@ -127,7 +129,7 @@ def test_pad_id_comes_from_special_tokens_and_memory_is_pinned_with_cuda(corpus:
 
 def test_workers_ignore_sigterm(corpus: Path) -> None:
     loader, _ = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=2, num_workers=2)
-    assert loader.dataloader.worker_init_fn is ignore_stop_signals
+    assert isinstance(loader.dataloader.worker_init_fn, StopSignalGuard)
     before = set(multiprocessing.active_children())
     stream = iter(loader)  # starts the workers (the trainer relies on it to fail early)
     workers = [p for p in multiprocessing.active_children() if p not in before]
@@ -140,3 +142,26 @@ def test_workers_ignore_sigterm(corpus: Path) -> None:
     assert all(w.is_alive() for w in workers)
     assert [int(b["state"][-1, 3]) for b in [first, *later]] == list(range(6))
     del stream
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["return", "raise"])
+def test_main_process_exits_with_live_workers(corpus: Path, ending: str) -> None:
+    # multiprocessing ends daemon workers with SIGTERM at exit and joins them: a worker that
+    # still ignored SIGTERM then would hang the exit forever.
+    script = f"""
+import sys
+from nedolm.data.loader import build_sft_loader
+loader, _ = build_sft_loader(sys.argv[1], {SEQ_LEN}, micro_batch_size=2, num_workers=2)
+stream = iter(loader)  # a module global: still alive when the interpreter exits
+next(stream)
+if sys.argv[2] == "raise":
+    raise SystemExit("stopping with live workers")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(corpus), ending],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == (0 if ending == "return" else 1), result.stderr

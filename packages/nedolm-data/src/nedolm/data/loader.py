@@ -22,6 +22,8 @@ uninterrupted run would have.
 
 from __future__ import annotations
 
+import atexit
+import os
 import signal
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -390,7 +392,7 @@ def build_sft_loader(
         workers = {
             "prefetch_factor": prefetch_factor,
             "persistent_workers": persistent_workers,
-            "worker_init_fn": ignore_stop_signals,
+            "worker_init_fn": StopSignalGuard(),
         }
     dataloader = DataLoader(
         dataset,
@@ -402,7 +404,36 @@ def build_sft_loader(
     return SFTLoader(dataloader, dataset.layout), dataset
 
 
-def ignore_stop_signals(_worker_id: int) -> None:
-    """Workers ignore SIGTERM/SIGINT: the main process gets them and checkpoints first."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+class StopSignalGuard:
+    """``worker_init_fn``: workers ignore SIGTERM and SIGINT until the main process exits.
+
+    A scheduler's SIGTERM (or a terminal's Ctrl-C) reaches every process of the job; the
+    workers must keep serving batches while the main process writes its checkpoint. But when
+    the main process exits, ``multiprocessing`` ends its daemon workers with SIGTERM and then
+    joins them, which would hang forever on a worker that ignores it. So the main process
+    raises a shared flag at exit (an ``atexit`` hook registered after multiprocessing's own,
+    hence run before it), and a worker whose flag is up exits on SIGTERM.
+    """
+
+    def __init__(self) -> None:
+        self.exiting = _main_process_exit_flag()
+
+    def __call__(self, _worker_id: int) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, _signum: int, _frame: object) -> None:
+        if self.exiting[0]:
+            os._exit(0)
+
+
+_EXIT_FLAG: torch.Tensor | None = None
+
+
+def _main_process_exit_flag() -> torch.Tensor:
+    """One shared-memory byte per main process, set to 1 when that process exits."""
+    global _EXIT_FLAG
+    if _EXIT_FLAG is None:
+        _EXIT_FLAG = torch.zeros(1, dtype=torch.uint8).share_memory_()
+        atexit.register(_EXIT_FLAG.fill_, 1)
+    return _EXIT_FLAG
