@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import filecmp
+import itertools
 import math
 import multiprocessing
 import multiprocessing.pool
@@ -23,6 +24,7 @@ import shutil
 import sys
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,50 +187,70 @@ class ChunkEncoder:
     def encode(
         self, source_name: str, lines: Sequence[tuple[int, bytes]]
     ) -> list[_Kept | Rejected]:
-        parsed = [parse_record(raw, source_name, line, self.policy) for line, raw in lines]
-        convs = [p for p in parsed if isinstance(p, Conversation)]
-        ids = iter(self.tokenizer.encode_batch([m.text for c in convs for m in c.messages]))
+        parsed = self.parse(source_name, lines)
+        return self.assemble(source_name, lines, parsed, self.tokenize(parsed))
+
+    def parse(
+        self, source_name: str, lines: Sequence[tuple[int, bytes]]
+    ) -> list[Conversation | Rejected]:
+        return [parse_record(raw, source_name, line, self.policy) for line, raw in lines]
+
+    def tokenize(self, parsed: Sequence[Conversation | Rejected]) -> list[list[int]]:
+        """Content ids of every message of the chunk's conversations (releases the GIL)."""
+        texts = [m.text for c in parsed if isinstance(c, Conversation) for m in c.messages]
+        return self.tokenizer.encode_batch(texts)
+
+    def assemble(
+        self,
+        source_name: str,
+        lines: Sequence[tuple[int, bytes]],
+        parsed: Sequence[Conversation | Rejected],
+        ids: list[list[int]],
+    ) -> list[_Kept | Rejected]:
+        contents = iter(ids)
         results: list[_Kept | Rejected] = []
         for (line, _), record in zip(lines, parsed, strict=True):
             if isinstance(record, Rejected):
                 results.append(record)
-                continue
-            contents = [next(ids) for _ in record.messages]
-            results.append(self._document(source_name, line, record, contents))
+            else:
+                messages = [next(contents) for _ in record.messages]
+                results.append(self._document(source_name, line, record, messages))
         return results
 
     def _document(
         self, source_name: str, line: int, conv: Conversation, contents: list[list[int]]
     ) -> _Kept | Rejected:
-        segments = np.empty(len(conv.messages), SEGMENT_DTYPE)
-        tokens: list[int] = []
-        for i, (message, content) in enumerate(zip(conv.messages, contents, strict=True)):
+        for i, content in enumerate(contents):
             if not self.forbidden.isdisjoint(content):
                 return Rejected(
                     SPECIAL_TOKEN_IN_CONTENT,
                     f"{source_name}:{line}: messages[{i}] encodes to the EOS or pad id (text such"
                     " as '</s>' that this tokenizer turns into a special token)",
                 )
-            header = self.headers[message.role]
-            segments[i] = (
-                len(tokens),
-                len(header) + len(content) + 2,
-                len(header) + 1,
-                message.role,
-                message.trainable,
-            )
-            tokens += [self.start_id, *header, *content, self.end_id]
-        tokens.append(self.eos_id)
+        headers = [self.headers[m.role] for m in conv.messages]
+        header_len = np.array([len(h) + 1 for h in headers], np.int64)
+        content_len = np.array([len(c) for c in contents], np.int64)
+        length = header_len + content_len + 1
+        segments = np.empty(len(contents), SEGMENT_DTYPE)
+        segments["start"] = np.cumsum(length) - length
+        segments["length"] = length
+        segments["header_len"] = header_len
+        segments["role"] = [m.role for m in conv.messages]
+        segments["trainable"] = [m.trainable for m in conv.messages]
         reason = document_drop_reason(segments, self.seq_len)
         if reason is not None:
             return Rejected(reason, f"{source_name}:{line}: dropped ({reason})")
+        tokens: list[int] = []
+        for header, content in zip(headers, contents, strict=True):
+            tokens += [self.start_id, *header, *content, self.end_id]
+        tokens.append(self.eos_id)
         return _Kept(
             line=line,
             doc_key=conv.doc_key,
             tokens=np.array(tokens, self.dtype),
             segments=segments,
-            content_lengths=np.array([len(c) for c in contents], "<u4"),
-            content=np.array([t for c in contents for t in c], "<u4"),
+            content_lengths=content_len.astype("<u4"),
+            content=np.fromiter(itertools.chain.from_iterable(contents), "<u4"),
         )
 
 
@@ -394,8 +416,7 @@ def _encoded_chunks(
     names = [p.name for p in paths]
     chunks = _chunks(paths, options.chunk_records)
     if options.workers == 1:
-        for source, lines in chunks:
-            yield source, sum(len(r) for _, r in lines), encoder.encode(names[source], lines)
+        yield from _pipelined(chunks, names, encoder)
         return
     init = (encoder.tokenizer.path, encoder.specials, options.policy, options.seq_len)
     with _worker_pool(options.workers, init) as pool:
@@ -414,6 +435,30 @@ def _encoded_chunks(
         while pending:
             source_done, size, result = pending.popleft()
             yield source_done, size, result.get()
+
+
+def _pipelined(
+    chunks: Iterator[tuple[int, list[tuple[int, bytes]]]], names: list[str], encoder: ChunkEncoder
+) -> Iterator[tuple[int, int, list[_Kept | Rejected]]]:
+    """In-process encoding overlapped with Python work: one thread runs the tokenizer on the
+    next chunk (the tokenizer releases the GIL) while this one parses and lays out documents."""
+    with ThreadPoolExecutor(max_workers=1) as tokenizer_thread:
+        pending: deque = deque()
+        for source, lines in chunks:
+            parsed = encoder.parse(names[source], lines)
+            pending.append(
+                (source, lines, parsed, tokenizer_thread.submit(encoder.tokenize, parsed))
+            )
+            if len(pending) > 1:
+                yield _assembled(pending.popleft(), names, encoder)
+        while pending:
+            yield _assembled(pending.popleft(), names, encoder)
+
+
+def _assembled(item: tuple, names: list[str], encoder: ChunkEncoder) -> tuple[int, int, list]:
+    source, lines, parsed, ids = item
+    results = encoder.assemble(names[source], lines, parsed, ids.result())
+    return source, sum(len(raw) for _, raw in lines), results
 
 
 def build_corpus(

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from nedolm.data.records import (
     MESSAGE_END_TOKEN,
     MESSAGE_START_TOKEN,
@@ -126,13 +128,13 @@ def parse_record(
 
 def _parse(raw: bytes, source_name: str, line_no: int, policy: RecordPolicy) -> Conversation:
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _Reject(INVALID_UTF8, f"invalid UTF-8 at byte {exc.start}") from None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _Reject(INVALID_JSON, f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+        record = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as utf8:
+            raise _Reject(INVALID_UTF8, f"invalid UTF-8 at byte {utf8.start}") from None
+        raise _Reject(INVALID_JSON, f"malformed JSON: {exc}") from None
     if not isinstance(record, dict):
         raise _Reject(INVALID_JSON, f"a record must be a JSON object, not {type(record).__name__}")
     if "messages" in record:
