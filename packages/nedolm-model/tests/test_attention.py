@@ -114,3 +114,5 @@ def test_inconsistent_layouts_are_refused(make_model) -> None:
             model(input_ids, cu_seqlens=torch.tensor(bad, dtype=torch.int32))
     with pytest.raises(ValueError, match="labels shape"):
         model(input_ids, input_ids[:, :4])
+    with pytest.raises(ValueError, match="position_ids shape"):
+        model(input_ids, position_ids=torch.arange(8))

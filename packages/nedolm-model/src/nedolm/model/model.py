@@ -226,11 +226,15 @@ class MorphTransformer(nn.Module):
             max_seqlen = row_len
         impl = resolve_attn_impl(self.cfg.attn_impl, ids_T.device)
         layout = build_layout(impl, cu_seqlens, max_seqlen, T)
-        positions_T = (
-            positions_from_cu_seqlens(cu_seqlens, T)
-            if position_ids is None
-            else position_ids.reshape(-1)
-        )
+        if position_ids is None:
+            positions_T = positions_from_cu_seqlens(cu_seqlens, T)
+        elif position_ids.numel() == T:
+            positions_T = position_ids.reshape(-1)
+        else:
+            raise ValueError(
+                f"forward: position_ids shape {tuple(position_ids.shape)} does not match "
+                f"input_ids shape {tuple(shape)}"
+            )
         hidden_TD = self.hidden_states(ids_T, positions_T, layout)
 
         loss = logits = None
