@@ -36,6 +36,15 @@ def test_tokenizer_json_and_sentencepiece_agree_on_real_data(
         assert hf.decode(ids) == text == sp.decode(ids)  # mistral_v1 is lossless
 
 
+def test_both_formats_list_the_same_vocabulary_pieces(tokenizer_json, sentencepiece_model):
+    hf, sp = load_tokenizer(tokenizer_json), load_tokenizer(sentencepiece_model)
+    pieces = hf.pieces()
+    assert len(pieces) == hf.base_vocab_size == 32000
+    assert pieces == sp.pieces()
+    word = hf.encode_batch(["merhaba"])[0][0]
+    assert pieces[word].startswith("\u2581")
+
+
 def test_special_ids_follow_the_spec(tokenizer_json):
     specials = build_special_tokens(load_tokenizer(tokenizer_json), "tokenizer/x.json.gz")
     assert (specials.eos_id, specials.message_start_id, specials.message_end_id) == (

@@ -52,6 +52,13 @@ class TextTokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special ids rendered as their strings)."""
 
+    @abstractmethod
+    def pieces(self) -> list[str]:
+        """The surface form of every id below ``base_vocab_size``, in id order.
+
+        Models use it to derive per-id features (NedoLM's morph classes) from the vocabulary.
+        """
+
     @property
     def name(self) -> str:
         return self.path.name
@@ -93,6 +100,9 @@ class HFTokenizer(TextTokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def pieces(self) -> list[str]:
+        return [self._tok.id_to_token(i) or "" for i in range(self.base_vocab_size)]
+
 
 class SentencePieceTokenizer(TextTokenizer):
     """A SentencePiece model, ``.gz`` too (control symbols are never produced from text)."""
@@ -126,6 +136,9 @@ class SentencePieceTokenizer(TextTokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
+
+    def pieces(self) -> list[str]:
+        return [self._sp.id_to_piece(i) for i in range(self.base_vocab_size)]
 
 
 def _first_id(lookup: Callable[[str], int | None], candidates: Sequence[str]) -> int | None:
