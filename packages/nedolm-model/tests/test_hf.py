@@ -58,3 +58,27 @@ def test_load_hf_names_the_broken_file(make_model, tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ExportFormatError, match=r"config\.json: unsupported model_type 'gpt2'"):
         load_hf(tmp_path)
+
+
+def test_load_hf_reads_a_checkpoint_saved_by_transformers(tmp_path) -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=130,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path, attn_impl="sdpa").eval()
+    assert ours.cfg.padded_vocab_size == 192
+    input_ids = torch.randint(0, 130, (2, 40))
+    with torch.no_grad():
+        assert (ours(input_ids)[1] - hf(input_ids).logits).abs().max() <= 1e-4
