@@ -89,7 +89,7 @@ def test_chunks_padding_rows_and_no_grad_path() -> None:
         vocab_size=vocab,
         reduction="sum",
         fp32_logits=True,
-        chunk_elements=7 * vocab,
+        chunk_elements=7 * padded,
     )
     (2.5 * loss).backward()
     hidden_ref = hidden.detach().clone().requires_grad_()

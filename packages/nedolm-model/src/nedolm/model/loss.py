@@ -39,7 +39,7 @@ def fused_linear_cross_entropy(
         vocab_size: logical vocabulary size.
         reduction: "sum" or "mean" over the N targets.
         fp32_logits: upcast each chunk's logits to float32 before the softmax.
-        chunk_elements: logits elements computed at once (rows = chunk_elements // vocab_size).
+        chunk_elements: logits elements computed at once (rows = chunk_elements // W).
     """
     if reduction not in ("sum", "mean"):
         raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {reduction!r}")
@@ -64,37 +64,43 @@ def _chunked_loss(
     *,
     with_grads: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Loss and, if asked, d loss / d hidden [N, D] and d loss / d weight[:V] [V, D] (fp32)."""
-    weight_VD = weight_WD[:vocab_size].to(compute_dtype)
+    """Loss and, if asked, d loss / d hidden [N, D] and d loss / d weight [W, D] (fp32).
+
+    Matmuls run over all W rows (an aligned width; an odd V like 32003 slows half-precision
+    GEMMs), and the softmax reads only the first V columns: padding is never predicted.
+    """
+    weight = weight_WD.to(compute_dtype)
     hidden = hidden_ND.to(compute_dtype)
     n_targets = hidden.size(0)
     scale = 1.0 / n_targets if mean and n_targets else 1.0
-    chunk_rows = max(1, chunk_elements // vocab_size)
+    chunk_rows = max(1, chunk_elements // weight.size(0))
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden_ND = torch.empty_like(hidden) if with_grads else None
-    grad_weight_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if with_grads else None
+    grad_weight_WD = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
     for start in range(0, n_targets, chunk_rows):
         h_CD = hidden[start : start + chunk_rows]
         y_C = targets_N[start : start + chunk_rows]
-        logits_CV = h_CD @ weight_VD.T
+        logits_CW = h_CD @ weight.T
         if fp32_logits:
-            logits_CV = logits_CV.float()
+            logits_CW = logits_CW.float()
+        logits_CV = logits_CW[:, :vocab_size]
         lse_C = torch.logsumexp(logits_CV, dim=-1)
         target_logit_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
         loss += (lse_C - target_logit_C).float().sum()
-        if grad_hidden_ND is None or grad_weight_VD is None:
+        if grad_hidden_ND is None or grad_weight_WD is None:
             continue
         # d(lse - logit_y) / d logits = softmax - onehot(y), built in place over the logits.
-        grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
-        grad_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
+        grad_CW = logits_CW.sub_(lse_C[:, None]).exp_()
+        grad_CW[:, vocab_size:] = 0.0
+        grad_CW[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
         if scale != 1.0:  # mean: scale before rounding to compute_dtype, as autograd would
-            grad_CV.mul_(scale)
-        grad_CV = grad_CV.to(compute_dtype)
-        grad_hidden_ND[start : start + chunk_rows] = grad_CV @ weight_VD
-        grad_weight_VD += (grad_CV.T @ h_CD).float()
+            grad_CW.mul_(scale)
+        grad_CW = grad_CW.to(compute_dtype)
+        grad_hidden_ND[start : start + chunk_rows] = grad_CW @ weight
+        grad_weight_WD += (grad_CW.T @ h_CD).float()
     if mean:
         loss = loss / n_targets  # 0/0 = nan with no targets, as F.cross_entropy(mean)
-    return loss, grad_hidden_ND, grad_weight_VD
+    return loss, grad_hidden_ND, grad_weight_WD
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -112,7 +118,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         compute_dtype: torch.dtype,
         chunk_elements: int,
     ) -> Tensor:
-        loss, grad_hidden_ND, grad_weight_VD = _chunked_loss(
+        loss, grad_hidden_ND, grad_weight_WD = _chunked_loss(
             hidden_ND,
             weight_WD,
             targets_N,
@@ -123,18 +129,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             chunk_elements,
             with_grads=True,
         )
-        ctx.save_for_backward(grad_hidden_ND, grad_weight_VD)
-        ctx.hidden_dtype, ctx.weight_shape, ctx.weight_dtype = (
-            hidden_ND.dtype,
-            weight_WD.shape,
-            weight_WD.dtype,
-        )
+        ctx.save_for_backward(grad_hidden_ND, grad_weight_WD)
+        ctx.hidden_dtype, ctx.weight_dtype = hidden_ND.dtype, weight_WD.dtype
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        grad_hidden_ND, grad_weight_VD = ctx.saved_tensors
+        grad_hidden_ND, grad_weight_WD = ctx.saved_tensors
         grad_hidden = (grad_hidden_ND * grad_loss).to(ctx.hidden_dtype)
-        grad_weight_WD = grad_weight_VD.new_zeros(ctx.weight_shape)
-        grad_weight_WD[: grad_weight_VD.size(0)] = grad_weight_VD * grad_loss
-        return grad_hidden, grad_weight_WD.to(ctx.weight_dtype), None, None, None, None, None, None
+        grad_weight = (grad_weight_WD * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
