@@ -21,6 +21,7 @@ pieces are listed in placement order.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from bisect import bisect_left, insort
 from collections import deque
@@ -108,25 +109,22 @@ def plan_shard(index: np.ndarray, segments: np.ndarray, seq_len: int) -> ShardPl
     has_target = doc_targets > 0
 
     whole = np.flatnonzero(has_target & (token_len <= window))
-    chain_docs, chain_pieces, chains = [], [], []
-    seg_start = index["segment_start"].astype(np.int64)
-    seg_end = seg_start + index["segment_count"]
     long_docs = np.flatnonzero(has_target & (token_len > window))
-    for d in long_docs.tolist():
-        chain = _plan_chain(segments[seg_start[d] : seg_end[d]], int(token_len[d]), window)
-        chains.append(chain)
-        chain_docs += [d] * len(chain.pieces)
-        chain_pieces += chain.pieces
-    chain_array = np.array(chain_pieces, np.int64).reshape(-1, 3)
+    chains = _plan_chains(long_docs, index, segments, window)
 
-    docs = np.concatenate([whole, chain_docs]).astype(np.int64)
-    starts = np.concatenate([np.zeros(len(whole), np.int64), chain_array[:, 0]])
-    ends = np.concatenate([token_len[whole], chain_array[:, 1]])
-    target_from = np.concatenate([np.zeros(len(whole), np.int64), chain_array[:, 2]])
+    zeros = np.zeros(len(whole), np.int64)
+    docs = np.concatenate([whole, chains.doc])
+    starts = np.concatenate([zeros, chains.start])
+    ends = np.concatenate([token_len[whole], chains.end])
+    target_from = np.concatenate([zeros, chains.target_from])
     sizes = ends - starts
 
-    # Stable sort: equal sizes keep document order, and a chain's pieces keep chain order.
-    order = np.lexsort((docs, -sizes))
+    # Placement order: larger first, then document order, then chain order. Chains come in
+    # chain order and whole documents in document order, so two stable sorts suffice, and the
+    # size key fits 16 bits for any real seq_len (numpy then radix-sorts it).
+    by_doc = np.argsort(docs, kind="stable")
+    free = (window - sizes[by_doc]).astype(np.uint16 if window <= 1 << 16 else np.int64)
+    order = by_doc[np.argsort(free, kind="stable")]
     window_of_placed, n_windows = _best_fit_decreasing(sizes[order], window)
     by_window = np.argsort(window_of_placed, kind="stable")  # then in placement order
     rows = order[by_window]
@@ -151,9 +149,9 @@ def plan_shard(index: np.ndarray, segments: np.ndarray, seq_len: int) -> ShardPl
         valid_context_tokens=valid,
         padded_tokens=n_windows * window - valid,
         assistant_target_tokens=trained,
-        turn_aligned_continuations=sum(c.turn_aligned for c in chains),
-        assistant_aligned_continuations=sum(c.assistant_aligned for c in chains),
-        hard_continuations=sum(c.hard for c in chains),
+        turn_aligned_continuations=chains.turn_aligned,
+        assistant_aligned_continuations=chains.assistant_aligned,
+        hard_continuations=chains.hard,
     )
     return ShardPlan(pieces=pieces, counts=counts)
 
@@ -260,7 +258,7 @@ def piece_target_counts(pieces: np.ndarray, index: np.ndarray, ranges: TargetRan
 
 def _target_ranges(index: np.ndarray, segments: np.ndarray, seg_doc: np.ndarray) -> TargetRanges:
     length = segments["length"].astype(np.int64) - segments["header_len"]
-    keep = (segments["trainable"] != 0) & (length > 0)
+    keep = np.flatnonzero((segments["trainable"] != 0) & (length > 0))
     doc = seg_doc[keep]
     start = (
         index["token_start"].astype(np.int64)[doc]
@@ -310,56 +308,83 @@ def _segment_documents(index: np.ndarray, segments: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class _Chain:
-    pieces: list[tuple[int, int, int]]  # (start, end, target_from)
-    turn_aligned: int = 0
-    assistant_aligned: int = 0
-    hard: int = 0
+class _Chains:
+    """Pieces of all long documents in (document, chain) order, and continuation counts."""
+
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    target_from: np.ndarray
+    turn_aligned: int
+    assistant_aligned: int
+    hard: int
 
 
-def _plan_chain(segments: np.ndarray, doc_len: int, window: int) -> _Chain:
-    """Split one document longer than a window into pieces that train each target once."""
-    starts = segments["start"].tolist()
-    lengths = segments["length"].tolist()
-    headers = segments["header_len"].tolist()
-    roles = segments["role"].tolist()
-    trainable = segments["trainable"].tolist()
-    # latest_context[m]: start of the latest user/system message at or before message m.
-    latest_context, last = [], None
-    for start, role in zip(starts, roles, strict=True):
-        last = start if role != ROLE_ASSISTANT else last
-        latest_context.append(last)
-    spans = [
-        (m, s + h, s + n)
-        for m, (s, n, h, t) in enumerate(zip(starts, lengths, headers, trainable, strict=True))
-        if t and n > h
-    ]
+def _plan_chains(docs: np.ndarray, index: np.ndarray, segments: np.ndarray, window: int) -> _Chains:
+    """Split every document in ``docs`` (all longer than a window) into a chain (FORMAT.md).
 
-    chain = _Chain(pieces=[])
-    covered, k = 0, 0  # every target before `covered` is trained
-    while True:
-        while k < len(spans) and spans[k][2] <= covered:
-            k += 1
-        if k == len(spans):
-            return chain
-        message, span_start, _ = spans[k]
-        target = max(span_start, covered)
-        if covered == 0 and target < window:
-            start = 0
-        elif latest_context[message] is not None and target - latest_context[message] < window:
-            start = latest_context[message]
-            chain.turn_aligned += 1
-        elif target - starts[message] < window:
-            start = starts[message]
-            chain.assistant_aligned += 1
-        else:  # would start inside the message: keep the target trainable, count it
-            start = target - 1
-            chain.hard += 1
-        end = min(start + window, doc_len)
-        chain.pieces.append((start, end, 0 if start == 0 else target))
-        if end == doc_len:
-            return chain
-        covered = end
+    All chains advance together, one piece per step, so the Python loop runs as many times as
+    the longest chain has pieces; the arrays hold only these documents' messages. Positions
+    are shard-token positions until the end.
+    """
+    counts = index["segment_count"].astype(np.int64)[docs]
+    rows = np.repeat(index["segment_start"].astype(np.int64)[docs], counts) + flat_ranges(counts)
+    owner = np.repeat(np.arange(len(docs)), counts)  # position in ``docs`` of each message
+    messages = segments[rows]
+    doc_start = index["token_start"].astype(np.int64)[docs]
+    msg_start = doc_start[owner] + messages["start"]
+    # Shard position of the latest user/system message start at or before each message.
+    context = np.where(messages["role"] != ROLE_ASSISTANT, np.arange(len(rows)), -1)
+    context = np.maximum.accumulate(context) if len(context) else context
+    same_doc = (context >= 0) & (owner[np.maximum(context, 0)] == owner)
+    latest_context = np.where(same_doc, msg_start[np.maximum(context, 0)], -1)
+    spans = np.flatnonzero(
+        (messages["trainable"] != 0) & (messages["length"] > messages["header_len"])
+    )
+    span_start = msg_start[spans] + messages["header_len"][spans]
+    span_end = msg_start[spans] + messages["length"][spans]
+
+    first_pos = doc_start
+    last_pos = first_pos + index["token_len"].astype(np.int64)[docs]
+    covered = first_pos.copy()  # every target before it is trained
+    pieces, continuations = [], np.zeros(3, np.int64)
+    active = np.arange(len(docs))
+    for rank in itertools.count():
+        span = np.searchsorted(span_end, covered[active], side="right")
+        # The first untrained target must exist and belong to the same document.
+        alive = span < len(span_end)
+        alive[alive] = owner[spans[span[alive]]] == active[alive]
+        active, span = active[alive], span[alive]
+        if not len(active):
+            break
+        target = np.maximum(span_start[span], covered[active])
+        message = spans[span]
+        context_start = latest_context[message]
+        first = (covered[active] == first_pos[active]) & (target - first_pos[active] < window)
+        turn = ~first & (context_start >= 0) & (target - context_start < window)
+        assistant = ~first & ~turn & (target - msg_start[message] < window)
+        hard = ~first & ~turn & ~assistant  # would start inside the message: start at t - 1
+        start = np.select(
+            [first, turn, assistant], [first_pos[active], context_start, msg_start[message]],
+            target - 1,
+        )  # fmt: skip
+        end = np.minimum(start + window, last_pos[active])
+        base = first_pos[active]
+        target_from = np.where(first, 0, target - base)
+        pieces.append(
+            (docs[active], start - base, end - base, target_from, np.full_like(end, rank))
+        )
+        continuations += [turn.sum(), assistant.sum(), hard.sum()]
+        covered[active] = end
+        active = active[end < last_pos[active]]
+    if not pieces:
+        return _Chains(*[np.zeros(0, np.int64)] * 4, 0, 0, 0)
+    doc, start, end, target_from, rank = (np.concatenate(c) for c in zip(*pieces, strict=True))
+    chain_order = np.lexsort((rank, doc))
+    return _Chains(
+        *(a[chain_order] for a in (doc, start, end, target_from)),
+        *(int(c) for c in continuations),
+    )
 
 
 def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
