@@ -8,9 +8,10 @@ into windows with best-fit decreasing, so whole documents are never split and ev
 is trained exactly once.
 
 Speed matters: the trainer recomputes the plan at every start, on millions of documents. The
-common case (a document that fits) is handled in bulk with numpy, and best-fit decreasing runs
-on size classes (every item of one size behaves the same), so Python work grows with the number
-of distinct sizes and of long documents, not with the number of documents.
+common case (a document that fits) is handled in bulk with numpy, all chains advance together
+one piece per step, and best-fit decreasing runs on size classes (every item of one size
+behaves the same), so Python work grows with the number of distinct sizes and the length of the
+longest chain, not with the number of documents.
 
 Tie-breaking, which fixes the plan exactly: items are placed largest first, equal sizes in
 (document, piece) order; an item goes to the open window with the least free space that still
