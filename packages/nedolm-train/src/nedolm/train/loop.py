@@ -46,28 +46,23 @@ class TrainLoop:
         self.params = [p for p in run.base_model.parameters() if p.requires_grad]
         self.job_start = time.monotonic()
         self.last_archive = time.monotonic()
+        self.first_step = run.progress.step
         self._reset_log_window()
 
     def train(self) -> None:
         """The whole loop; returns normally on completion and on a stop request."""
-        run, t = self.run, self.run.cfg.train
-        start = run.progress.step
+        run = self.run
         if run.val_loader is not None and run.cfg.validation.at_start:
             self.validate()
-        log.info("training steps %d -> %d", start, run.max_steps)
+        log.info("training steps %d -> %d", run.progress.step, run.max_steps)
         run.model.train()
         self._reset_log_window()
-        for step in range(start, run.max_steps):
-            lr = self.step(step)
-            done = run.progress.step
-            if done % t.log_interval == 0 or done == start + 1 or done == run.max_steps:
-                self.log_step(lr)
-            if run.val_loader is not None and (
-                done % run.cfg.validation.interval == 0 or done == run.max_steps
-            ):
-                self.validate()
-            if self.control(done):
-                log.warning("stop requested (%s): stopped at step %d", self.stop.describe(), done)
+        self.first_step = run.progress.step
+        for step in range(run.progress.step, run.max_steps):
+            if self.run_step(step):
+                log.warning(
+                    "stop requested (%s): stopped at step %d", self.stop.describe(), step + 1
+                )
                 return
         log.info(
             "finished at step %d: %d assistant tokens, %.2f h",
@@ -75,6 +70,19 @@ class TrainLoop:
             run.progress.assistant_tokens_seen,
             (time.monotonic() - self.job_start) / 3600,
         )
+
+    def run_step(self, step: int) -> bool:
+        """Step, then log, validate, agree and checkpoint as due; True = stop now."""
+        run = self.run
+        lr = self.step(step)
+        done = run.progress.step
+        if done % run.cfg.train.log_interval == 0 or done in (self.first_step + 1, run.max_steps):
+            self.log_step(lr)
+        if run.val_loader is not None and (
+            done % run.cfg.validation.interval == 0 or done == run.max_steps
+        ):
+            self.validate()
+        return self.control(done)
 
     def step(self, step: int) -> float:
         """One optimizer step (0-based ``step``); returns its learning rate."""
