@@ -4,6 +4,17 @@ import torch
 from nedolm.model import packed_layout
 from nedolm.model.attention import build_layout
 
+# Warnings raised inside torch itself while compiling (torch 2.13): inductor's imports touch
+# the deprecated torch.jit.script_method, dynamo probes .grad of non-leaf tensors and
+# instantiates the loss head's autograd.Function while tracing it.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"
+    ),
+]
+
 
 def packed_batch(vocab_size: int):
     gen = torch.Generator().manual_seed(0)
