@@ -120,10 +120,15 @@ def plan_shard(index: np.ndarray, segments: np.ndarray, seq_len: int) -> ShardPl
     target_from = np.concatenate([zeros, chains.target_from])
     sizes = ends - starts
 
-    # Placement order: larger first, then document order, then chain order. Chains come in
-    # chain order and whole documents in document order, so two stable sorts suffice, and the
-    # size key fits 16 bits for any real seq_len (numpy then radix-sorts it).
-    by_doc = np.argsort(docs, kind="stable")
+    # Placement order: larger first, then document order, then chain order. Whole documents
+    # and chains each come in (document, chain) order, so merging them gives that order, and
+    # one stable sort on a 16-bit size key (numpy radix-sorts it) does the rest.
+    chain_slot = np.searchsorted(whole, chains.doc) + np.arange(len(chains.doc))
+    whole_slot = np.ones(len(docs), bool)
+    whole_slot[chain_slot] = False
+    by_doc = np.empty(len(docs), np.int64)
+    by_doc[chain_slot] = np.arange(len(whole), len(docs))
+    by_doc[whole_slot] = np.arange(len(whole))
     free = (window - sizes[by_doc]).astype(np.uint16 if window <= 1 << 16 else np.int64)
     order = by_doc[np.argsort(free, kind="stable")]
     window_of_placed, n_windows = _best_fit_decreasing(sizes[order], window)
@@ -139,7 +144,7 @@ def plan_shard(index: np.ndarray, segments: np.ndarray, seq_len: int) -> ShardPl
 
     valid = int(sizes.sum())
     # A whole document trains all its targets; only chain pieces need counting.
-    in_chain = np.isin(pieces["doc"], long_docs)
+    in_chain = rows >= len(whole)  # rows index [whole documents, chain pieces]
     trained = int(doc_targets[whole].sum()) + int(
         piece_target_counts(pieces[in_chain], index, targets).sum()
     )
