@@ -1,0 +1,126 @@
+"""``nedolm-sft init-base`` and ``nedolm-sft run`` end to end, as real processes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from nedolm.data.builder import BuildOptions, build_corpus
+from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
+from nedolm.train.config import load_run_config
+from nedolm_sft.cli import cli
+
+FIXTURES = Path(__file__).resolve().parents[3] / "packages" / "nedolm-data" / "tests" / "fixtures"
+SMALL = ["d_model=64", "n_layers=1", "n_heads=2", "n_kv_heads=1", "ffn_dim=96", "max_seq_len=256"]
+
+
+def nedolm_sft(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nedolm_sft", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"},
+    )
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    tokenizer = root / "tokenizer.json"
+    tokenizer.write_bytes(
+        gzip.decompress((FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz").read_bytes())
+    )
+    inputs = sorted((FIXTURES / "tr_chat").glob("[nt]*.jsonl"))  # nutuk, tquad, truthfulqa
+    build_corpus(inputs, tokenizer, root / "data", BuildOptions(seq_len=256, shards=2))
+    return root / "data"
+
+
+def test_init_base_then_run_a_smoke_fine_tune(corpus: Path, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    sets = [arg for item in SMALL for arg in ("--set", item)]
+    result = nedolm_sft(
+        "init-base", "--preset", "tiny", "--data-dir", str(corpus), "--out", str(base), *sets
+    )
+    assert result.returncode == 0, result.stderr
+    run_config = load_run_config(base / "config.yaml")
+    special = json.loads((corpus / "SPECIAL_TOKENS.json").read_text(encoding="utf-8"))
+    assert run_config.model["vocab_size"] == special["vocab_size"]
+    assert run_config.eos_id == special["eos_id"] and run_config.model["d_model"] == 64
+
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run_dir": "run",
+                "base_config": "base/config.yaml",
+                "base_run_dir": "base",
+                "data_dir": str(corpus),
+                "optim": {"lr": 1e-3, "warmup_steps": 1},
+                "train": {
+                    "seq_len": 256,
+                    "micro_batch_size": 1,
+                    "grad_accum_steps": 1,
+                    "num_workers": 0,
+                },
+                "validation": {"enabled": False},
+            }
+        ),
+        encoding="utf-8",
+    )
+    result = nedolm_sft("run", str(config), "--smoke-steps", "2", "--no-compile")
+    assert result.returncode == 0, result.stderr
+    state = load_checkpoint(latest_checkpoint(tmp_path / "run"))
+    assert state["step"] == 2 and state["contract"]["execution"]["effective_compile"] is False
+    assert "step 2/2 loss" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--preset", "tiny", "--out", "b"], "exactly one of --vocab-size or --data-dir"),
+        (["--preset", "tiny", "--out", "b", "--vocab-size", "100"], "--vocab-size needs --eos-id"),
+        (["--preset", "huge", "--out", "b", "--vocab-size", "100"], "'huge' is not one of"),
+        (
+            [
+                "--preset",
+                "tiny",
+                "--out",
+                "b",
+                "--vocab-size",
+                "100",
+                "--eos-id",
+                "2",
+                "--set",
+                "d_modle=8",
+            ],
+            "d_modle",
+        ),
+        (
+            [
+                "--preset",
+                "tiny",
+                "--out",
+                "b",
+                "--vocab-size",
+                "100",
+                "--eos-id",
+                "2",
+                "--set",
+                "oops",
+            ],
+            "expected KEY=VALUE",
+        ),
+    ],
+)
+def test_init_base_usage_errors_name_the_problem(args: list[str], needle: str) -> None:
+    result = CliRunner().invoke(cli, ["init-base", *args])
+    assert result.exit_code != 0
+    assert needle in result.output or needle in str(result.exception)
