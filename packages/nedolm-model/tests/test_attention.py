@@ -177,3 +177,22 @@ def test_kernel_backends_call_their_kernel_per_its_contract(
     half = [t.bfloat16() for t in (q, k, v)]
     want = varlen_attention(*half, build_layout("sdpa", cu_seqlens, None, sum(lengths)))
     torch.testing.assert_close(varlen_attention(*half, layout), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 9, 30, 2, 7, 7, 100], [16, 16, 16]])
+def test_sdpa_op_for_compiled_graphs_matches_eager_in_value_and_gradient(lengths) -> None:
+    from nedolm.model.attention import sdpa_varlen_op
+
+    torch.manual_seed(0)
+    total = sum(lengths)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    inputs = [torch.randn(total, heads, 8, requires_grad=True) for heads in (4, 2, 2)]
+    torch.library.opcheck(sdpa_varlen_op, (*inputs, cu_seqlens))
+    grad = torch.randn(total, 4, 8)
+    eager = varlen_attention(*inputs, build_layout("sdpa", cu_seqlens, None, total))
+    want = torch.autograd.grad(eager, inputs, grad)
+    op_out = sdpa_varlen_op(*inputs, cu_seqlens)
+    got = torch.autograd.grad(op_out, inputs, grad)
+    torch.testing.assert_close(op_out, eager)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,15 +82,17 @@ def _default_device() -> str:
 class VarlenLayout:
     """Everything a backend needs to isolate segments; built once per forward, shared by blocks.
 
-    For `sdpa`, `groups` holds [n, P] token indices per padded length (None for a batch of
-    equal rows that are simply reshaped) and `inverse` [T] maps each token to its row in the
-    concatenated group outputs (None when the concatenation is already in token order).
+    For eager `sdpa`, `groups` holds [n, P] token indices per padded length (or, when every
+    segment has the same length L, just the int L: a reshape instead of a gather) and `inverse` [T] maps each token to its row in the
+    concatenated group outputs (None when that is already token order). Under torch.compile
+    both stay empty and the `nedolm::sdpa_varlen` op plans inside itself, so compiled graphs
+    do not depend on how rows were packed (no recompiles from batch to batch).
     """
 
     impl: str
     cu_seqlens: Tensor
     max_seqlen: int
-    groups: list[Tensor | None]
+    groups: list[Tensor | int]
     inverse: Tensor | None
 
 
@@ -103,10 +106,18 @@ def build_layout(
             [0, n_tokens) into non-empty segments.
     """
     cu_seqlens = cu_seqlens.to(torch.int32)
+    if impl == "sdpa" and torch.compiler.is_compiling():
+        return VarlenLayout(impl, cu_seqlens, max_seqlen or 0, [], None)
     if impl != "sdpa":
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         return VarlenLayout(impl, cu_seqlens, max_seqlen, [], None)
+    groups, inverse, max_len = sdpa_plan(cu_seqlens, n_tokens)
+    return VarlenLayout(impl, cu_seqlens, max_len, groups, inverse)
+
+
+def sdpa_plan(cu_seqlens: Tensor, n_tokens: int) -> tuple[list[Tensor | int], Tensor | None, int]:
+    """Group segments by padded length: (index per group, inverse permutation, longest)."""
     bounds = cu_seqlens.tolist()
     starts, lengths = bounds[:-1], [e - s for s, e in itertools.pairwise(bounds)]
     if bounds[0] != 0 or bounds[-1] != n_tokens or min(lengths, default=0) <= 0:
@@ -115,23 +126,12 @@ def build_layout(
             f"got {len(bounds)} offsets {bounds[:4]}...{bounds[-2:]}"
         )
     if len(set(lengths)) == 1:
-        return VarlenLayout(impl, cu_seqlens, lengths[0], [None], None)
-    return _grouped_layout(cu_seqlens, starts, lengths)
-
-
-def _padded_length(length: int) -> int:
-    """Round up by at most 1/8 (and to >= 16) so few distinct shapes cover all lengths."""
-    granule = 1 << max(0, length.bit_length() - 4)
-    return max(16, -(-length // granule) * granule)
-
-
-def _grouped_layout(cu_seqlens: Tensor, starts: list[int], lengths: list[int]) -> VarlenLayout:
+        return [lengths[0]], None, lengths[0]
     by_padded: dict[int, list[int]] = {}
     for seg, length in enumerate(lengths):
         by_padded.setdefault(_padded_length(length), []).append(seg)
-    total = starts[-1] + lengths[-1]
-    inverse_T = torch.empty(total, dtype=torch.long)
-    groups: list[Tensor | None] = []
+    inverse_T = torch.empty(n_tokens, dtype=torch.long)
+    groups: list[Tensor | int] = []
     offset = 0
     for padded, segs in sorted(by_padded.items()):
         start_n = torch.tensor([starts[s] for s in segs])
@@ -144,13 +144,21 @@ def _grouped_layout(cu_seqlens: Tensor, starts: list[int], lengths: list[int]) -
         inverse_T[index_nP[real_nP]] = rows_nP[real_nP]
         groups.append(index_nP.to(cu_seqlens.device))
         offset += len(segs) * padded
-    return VarlenLayout("sdpa", cu_seqlens, max(lengths), groups, inverse_T.to(cu_seqlens.device))
+    return groups, inverse_T.to(cu_seqlens.device), max(lengths)
+
+
+def _padded_length(length: int) -> int:
+    """Round up by at most 1/8 (and to >= 16) so few distinct shapes cover all lengths."""
+    granule = 1 << max(0, length.bit_length() - 4)
+    return max(16, -(-length // granule) * granule)
 
 
 def varlen_attention(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, layout: VarlenLayout) -> Tensor:
     """Causal attention of each token over the earlier tokens of its own segment."""
     if layout.impl == "sdpa":
-        return _sdpa_grouped(q_THK, k_TGK, v_TGK, layout)
+        if not layout.groups:  # planned inside the op (compiled graphs)
+            return sdpa_varlen_op(q_THK, k_TGK, v_TGK, layout.cu_seqlens)
+        return _sdpa_grouped(q_THK, k_TGK, v_TGK, layout.groups, layout.inverse)
     if q_THK.dtype not in _HALF_DTYPES:
         raise AttentionBackendError(
             f"attn_impl={layout.impl!r} needs bf16/fp16 inputs (use autocast), got {q_THK.dtype}"
@@ -163,18 +171,101 @@ def varlen_attention(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, layout: Varlen
     )
 
 
-def _sdpa_grouped(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, layout: VarlenLayout) -> Tensor:
+def _sdpa_grouped(
+    q_THK: Tensor,
+    k_TGK: Tensor,
+    v_TGK: Tensor,
+    groups: list[Tensor | int],
+    inverse: Tensor | None,
+) -> Tensor:
     T, H, K = q_THK.shape
     outputs = []
-    for index_nP in layout.groups:
-        if index_nP is None:  # equal rows: a free reshape instead of a gather
-            n = len(layout.cu_seqlens) - 1
-            q, k, v = (t.view(n, T // n, -1, K) for t in (q_THK, k_TGK, v_TGK))
+    for group in groups:
+        if isinstance(group, int):  # equal segments of this length: reshape, no gather
+            q, k, v = (t.view(T // group, group, -1, K) for t in (q_THK, k_TGK, v_TGK))
         else:
-            q, k, v = (t[index_nP] for t in (q_THK, k_TGK, v_TGK))
+            q, k, v = (t[group] for t in (q_THK, k_TGK, v_TGK))
         outputs.append(causal_sdpa(q, k, v).reshape(-1, H, K))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-    return out if layout.inverse is None else out[layout.inverse]
+    return out if inverse is None else out[inverse]
+
+
+@torch.library.custom_op("nedolm::sdpa_varlen", mutates_args=())
+def sdpa_varlen_op(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Grouped sdpa as one opaque op: plans from `cu_seqlens` inside, invisible to the compiler."""
+    groups, inverse, _ = sdpa_plan(cu_seqlens, q_THK.size(0))
+    return _sdpa_grouped(q_THK, k_TGK, v_TGK, groups, inverse)
+
+
+@sdpa_varlen_op.register_fake
+def _(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu_seqlens: Tensor) -> Tensor:
+    return torch.empty_like(q_THK)
+
+
+@torch.library.custom_op("nedolm::sdpa_varlen_backward", mutates_args=())
+def _sdpa_varlen_backward_op(
+    grad_THK: Tensor, q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu_seqlens: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention gradients group by group, recomputing the probabilities (explicit math).
+
+    Autograd cannot run inside a custom op, hence the closed form. Padded rows add zeros: their
+    output gradient is zero and no real query gives a padded key any probability.
+    """
+    groups, inverse, _ = sdpa_plan(cu_seqlens, q_THK.size(0))
+    T, H, K = q_THK.shape
+    n_rep = H // k_TGK.size(1)
+    grad_rows = grad_THK if inverse is None else _scatter_rows(grad_THK, inverse, groups)
+    dq_THK, dk_TGK, dv_TGK = (torch.zeros_like(t) for t in (q_THK, k_TGK, v_TGK))
+    offset = 0
+    for group in groups:
+        index_nP = (
+            torch.arange(T, device=q_THK.device).view(-1, group)
+            if isinstance(group, int)
+            else group
+        )
+        n, P = index_nP.shape
+        go = grad_rows[offset : offset + n * P].view(n, P, H, K).transpose(1, 2)
+        offset += n * P
+        q, k, v = (t[index_nP].transpose(1, 2) for t in (q_THK, k_TGK, v_TGK))
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        scale = K**-0.5
+        future = torch.ones(P, P, dtype=torch.bool, device=q.device).triu(1)
+        probs = (q @ k.transpose(-1, -2) * scale).masked_fill(future, float("-inf")).softmax(-1)
+        out = probs @ v
+        dv = probs.transpose(-1, -2) @ go
+        dscores = probs * (go @ v.transpose(-1, -2) - (go * out).sum(-1, keepdim=True))
+        dq, dk = dscores @ k * scale, dscores.transpose(-1, -2) @ q * scale
+        flat = index_nP.reshape(-1)
+        dq_THK.index_add_(0, flat, dq.transpose(1, 2).reshape(-1, H, K))
+        for grad, acc in ((dk, dk_TGK), (dv, dv_TGK)):
+            per_kv_head = grad.view(n, -1, n_rep, P, K).sum(2)  # GQA: sum over sharing heads
+            acc.index_add_(0, flat, per_kv_head.transpose(1, 2).reshape(-1, acc.size(1), K))
+    return dq_THK, dk_TGK, dv_TGK
+
+
+def _scatter_rows(grad_THK: Tensor, inverse: Tensor, groups: list[Tensor | int]) -> Tensor:
+    """Token-order gradient laid out like the concatenated group outputs (zeros at padding)."""
+    total = sum(g.numel() for g in groups if isinstance(g, Tensor))
+    rows = grad_THK.new_zeros(total, *grad_THK.shape[1:])
+    rows[inverse] = grad_THK
+    return rows
+
+
+@_sdpa_varlen_backward_op.register_fake
+def _(grad_THK: Tensor, q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu_seqlens: Tensor):
+    return torch.empty_like(q_THK), torch.empty_like(k_TGK), torch.empty_like(v_TGK)
+
+
+def _sdpa_varlen_setup(ctx: Any, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _sdpa_varlen_grad(ctx: Any, grad_THK: Tensor) -> tuple[Tensor | None, ...]:
+    q_THK, k_TGK, v_TGK, cu_seqlens = ctx.saved_tensors
+    return (*_sdpa_varlen_backward_op(grad_THK, q_THK, k_TGK, v_TGK, cu_seqlens), None)
+
+
+sdpa_varlen_op.register_autograd(_sdpa_varlen_grad, setup_context=_sdpa_varlen_setup)
 
 
 def causal_sdpa(q_nPHK: Tensor, k_nPGK: Tensor, v_nPGK: Tensor) -> Tensor:
