@@ -84,8 +84,9 @@ def test_archive_and_metadata(tmp_path: Path) -> None:
 
 _WRITER = """
 import sys, torch
-from nedolm.train.checkpoint import save_checkpoint
-step = 0
+from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+last = latest_checkpoint(sys.argv[1])
+step = load_checkpoint(last)["step"] if last else 0
 while True:
     step += 1
     payload = {"model": {"w": torch.full((2_000_000,), float(step))}, "step": step}
@@ -93,15 +94,24 @@ while True:
 """
 
 
+def _latest_step(run_dir: Path) -> int:
+    found = list_checkpoints(run_dir)
+    return found[-1][0] if found else 0
+
+
 def test_kill_9_mid_write_never_leaves_a_partial_checkpoint(tmp_path: Path) -> None:
     rng = random.Random(0)
     for _ in range(3):
+        before = _latest_step(tmp_path)
         proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)])
-        time.sleep(2.0 + rng.random())  # torch import + a few 8 MB writes
+        deadline = time.monotonic() + 120
+        while _latest_step(tmp_path) == before:  # this writer's first save (startup varies)
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.5))  # then kill anywhere: mid-write, mid-rename, mid-rotate
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         for step, path in list_checkpoints(tmp_path):
             state = load_checkpoint(path)
             assert state["step"] == step
             assert torch.equal(state["model"]["w"], torch.full((2_000_000,), float(step)))
-    assert list_checkpoints(tmp_path), "the writer never finished a checkpoint"
