@@ -3,8 +3,9 @@
 Every backend attends only inside the segments given by `cu_seqlens`, so packed conversations
 never see each other. `sdpa` is the reference that runs anywhere; it batches segments of
 similar length into one `scaled_dot_product_attention` call each, padding a segment at its end.
-Causality makes that padding exact: a real query never attends a later (padded) key.
-Optional kernels are imported only here.
+Causality makes that padding exact: a real query never attends a later (padded) key. Under
+torch.compile the same computation runs as the custom op `nedolm::sdpa_varlen`, so compiled
+graphs never depend on how rows were packed. Optional kernels are imported only here.
 """
 
 # Shape legend: T packed tokens, H query heads, G kv heads, K head dim, N segments,
@@ -215,7 +216,10 @@ def _sdpa_varlen_backward_op(
     T, H, K = q_THK.shape
     n_rep = H // k_TGK.size(1)
     grad_rows = grad_THK if inverse is None else _scatter_rows(grad_THK, inverse, groups)
-    dq_THK, dk_TGK, dv_TGK = (torch.zeros_like(t) for t in (q_THK, k_TGK, v_TGK))
+    # float32 math: this closed form has no fused kernel to keep bf16 softmax accurate.
+    dq_THK, dk_TGK, dv_TGK = (
+        torch.zeros_like(t, dtype=torch.float32) for t in (q_THK, k_TGK, v_TGK)
+    )
     offset = 0
     for group in groups:
         index_nP = (
@@ -224,9 +228,9 @@ def _sdpa_varlen_backward_op(
             else group
         )
         n, P = index_nP.shape
-        go = grad_rows[offset : offset + n * P].view(n, P, H, K).transpose(1, 2)
+        go = grad_rows[offset : offset + n * P].view(n, P, H, K).transpose(1, 2).float()
         offset += n * P
-        q, k, v = (t[index_nP].transpose(1, 2) for t in (q_THK, k_TGK, v_TGK))
+        q, k, v = (t[index_nP].transpose(1, 2).float() for t in (q_THK, k_TGK, v_TGK))
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         scale = K**-0.5
         future = torch.ones(P, P, dtype=torch.bool, device=q.device).triu(1)
@@ -240,15 +244,7 @@ def _sdpa_varlen_backward_op(
         for grad, acc in ((dk, dk_TGK), (dv, dv_TGK)):
             per_kv_head = grad.view(n, -1, n_rep, P, K).sum(2)  # GQA: sum over sharing heads
             acc.index_add_(0, flat, per_kv_head.transpose(1, 2).reshape(-1, acc.size(1), K))
-    return dq_THK, dk_TGK, dv_TGK
-
-
-def _scatter_rows(grad_THK: Tensor, inverse: Tensor, groups: list[Tensor | int]) -> Tensor:
-    """Token-order gradient laid out like the concatenated group outputs (zeros at padding)."""
-    total = sum(g.numel() for g in groups if isinstance(g, Tensor))
-    rows = grad_THK.new_zeros(total, *grad_THK.shape[1:])
-    rows[inverse] = grad_THK
-    return rows
+    return dq_THK.to(q_THK.dtype), dk_TGK.to(k_TGK.dtype), dv_TGK.to(v_TGK.dtype)
 
 
 @_sdpa_varlen_backward_op.register_fake
@@ -266,6 +262,14 @@ def _sdpa_varlen_grad(ctx: Any, grad_THK: Tensor) -> tuple[Tensor | None, ...]:
 
 
 sdpa_varlen_op.register_autograd(_sdpa_varlen_grad, setup_context=_sdpa_varlen_setup)
+
+
+def _scatter_rows(grad_THK: Tensor, inverse: Tensor, groups: list[Tensor | int]) -> Tensor:
+    """Token-order gradient laid out like the concatenated group outputs (zeros at padding)."""
+    total = sum(g.numel() for g in groups if isinstance(g, Tensor))
+    rows = grad_THK.new_zeros(total, *grad_THK.shape[1:])
+    rows[inverse] = grad_THK
+    return rows
 
 
 def causal_sdpa(q_nPHK: Tensor, k_nPGK: Tensor, v_nPGK: Tensor) -> Tensor:

@@ -127,6 +127,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_names() -> tuple[str, ...]:
+    """Names accepted by `preset`."""
     return tuple(_PRESETS)
 
 

@@ -44,13 +44,6 @@ def packed_layout(input_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
     return cu_seqlens, cols_BS - last_start_BS
 
 
-def rows_layout(batch: int, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Layout where each row is one sequence (no packing)."""
-    cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
-    position_ids = torch.arange(seq_len, device=device).expand(batch, seq_len)
-    return cu_seqlens, position_ids
-
-
 def positions_from_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:
     """Position of each of the `total` flattened tokens inside its segment."""
     cu = cu_seqlens.long()

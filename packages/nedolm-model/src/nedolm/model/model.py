@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight, no bias."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -43,6 +45,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query self-attention with rotary q/k over packed segments (or a KV cache)."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -90,6 +94,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm attention, then the shared SwiGLU plus the token's morph expert."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -175,6 +181,7 @@ class MorphTransformer(nn.Module):
         self.morph_classes[: len(classes)] = classes.to(self.morph_classes)
 
     def num_params(self) -> int:
+        """Parameter count (each tied weight once)."""
         return sum(p.numel() for p in self.parameters())
 
     def forward(
