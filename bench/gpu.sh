@@ -7,7 +7,7 @@
 # Usage: bench/gpu.sh [bench/model_gpu.py flags, e.g. --batch 2 --dispatch sparse]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
 export PYTHONPATH="packages/nedolm-model/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
