@@ -58,9 +58,12 @@ def train_steps(model, batch, steps: int) -> list[float]:
     return losses
 
 
-def assert_compiled_training_matches_eager(make_model, backend: str, tol: float) -> None:
+def assert_compiled_training_matches_eager(
+    make_model, backend: str, tol: float, grad_checkpoint: bool = False
+) -> None:
     eager, compiled = make_model(seed=1), make_model(seed=2)
     compiled.load_state_dict(eager.state_dict())
+    compiled.grad_checkpoint = grad_checkpoint
     batch = packed_batch(eager.cfg.vocab_size)
     torch._dynamo.reset()
     want = train_steps(eager, batch, 3)
@@ -70,8 +73,9 @@ def assert_compiled_training_matches_eager(make_model, backend: str, tol: float)
         torch.testing.assert_close(param, ref, atol=tol, rtol=tol, msg=name)
 
 
-def test_compiled_forward_backward_matches_eager(make_model) -> None:
-    assert_compiled_training_matches_eager(make_model, "aot_eager", 1e-5)
+@pytest.mark.parametrize("grad_checkpoint", [False, True])
+def test_compiled_forward_backward_matches_eager(make_model, grad_checkpoint: bool) -> None:
+    assert_compiled_training_matches_eager(make_model, "aot_eager", 1e-5, grad_checkpoint)
 
 
 @pytest.mark.slow
