@@ -8,7 +8,6 @@ builder used for training, so the model sees at inference what it saw in trainin
 
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 from collections.abc import Iterator, Sequence
@@ -20,7 +19,7 @@ import msgspec
 import torch
 
 from nedolm.data.format import SPECIAL_TOKENS_FILE, SpecialTokens, read_special_tokens
-from nedolm.data.tokenizer import TextTokenizer, load_tokenizer
+from nedolm.data.tokenizer import TextTokenizer, load_tokenizer, read_tokenizer_bytes
 from nedolm.model import MorphTransformer, build_model, export_hf, generate, load_hf
 from nedolm.train.base import model_config
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -139,10 +138,7 @@ def _write_hf_tokenizer(chat: ChatModel, out_dir: Path) -> None:
     """tokenizer.json with the control and pad tokens added at their corpus ids + a template."""
     from tokenizers import AddedToken, Tokenizer
 
-    raw = chat.tokenizer.path.read_bytes()
-    if chat.tokenizer.path.name.endswith(".gz"):
-        raw = gzip.decompress(raw)
-    tok = Tokenizer.from_str(raw.decode("utf-8"))
+    tok = Tokenizer.from_str(read_tokenizer_bytes(chat.tokenizer.path).decode("utf-8"))
     specials = chat.specials
     extra = {
         specials.message_start_id: "<|mesaj_basla|>",

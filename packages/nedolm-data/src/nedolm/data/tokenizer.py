@@ -35,6 +35,12 @@ class TokenizerError(ValueError):
     """A tokenizer file that cannot be loaded or lacks what the corpus needs; names the file."""
 
 
+def read_tokenizer_bytes(path: Path) -> bytes:
+    """The tokenizer file's contents, gunzipped when its name ends in ``.gz``."""
+    raw = Path(path).read_bytes()
+    return gzip.decompress(raw) if path.name.endswith(".gz") else raw
+
+
 class TextTokenizer(ABC):
     """What the builder needs from a tokenizer: batch encoding, decoding and special ids."""
 
@@ -79,10 +85,7 @@ class HFTokenizer(TextTokenizer):
             ) from exc
         self.path = Path(path)
         try:
-            raw = self.path.read_bytes()
-            if self.path.name.endswith(".gz"):
-                raw = gzip.decompress(raw)
-            self._tok = Tokenizer.from_str(raw.decode("utf-8"))
+            self._tok = Tokenizer.from_str(read_tokenizer_bytes(self.path).decode("utf-8"))
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
             raise TokenizerError(f"{path}: not a loadable tokenizer.json: {exc}") from exc
         self._tok.encode_special_tokens = True  # typed "</s>" is text, not a control token
@@ -119,10 +122,9 @@ class SentencePieceTokenizer(TextTokenizer):
             ) from exc
         self.path = Path(path)
         try:
-            raw = self.path.read_bytes()
-            if self.path.name.endswith(".gz"):
-                raw = gzip.decompress(raw)
-            self._sp = sentencepiece.SentencePieceProcessor(model_proto=raw)
+            self._sp = sentencepiece.SentencePieceProcessor(
+                model_proto=read_tokenizer_bytes(self.path)
+            )
         except (OSError, RuntimeError) as exc:
             raise TokenizerError(f"{path}: not a loadable SentencePiece model: {exc}") from exc
         self.base_vocab_size = self._sp.get_piece_size()
