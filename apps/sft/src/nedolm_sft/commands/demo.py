@@ -82,7 +82,7 @@ def _stage(title: str) -> float:
     show_default=True,
     help="Where the corpus, base model, run and plot go.",
 )
-@click.option("--steps", type=click.IntRange(min=1), default=120, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True)
 def demo(out: Path, steps: int) -> None:
     """Run the embedded default: prepare → init-base → SFT → plot → generate, on CPU.
 
@@ -91,7 +91,7 @@ def demo(out: Path, steps: int) -> None:
 
     \b
     Example:
-      nedolm-sft demo --out nedolm-demo --steps 120
+      nedolm-sft demo --out nedolm-demo --steps 100
     """
     out = out.resolve()
     began = _stage(f"1/5 prepare the sample corpus → {out / 'data'}")
@@ -130,7 +130,7 @@ def demo(out: Path, steps: int) -> None:
     _stage("5/5 generate a reply")
     chat = load_chat_model(out / "run")
     click.echo(f"kullanici> {DEMO_PROMPT}\nasistan> ", nl=False)
-    reply = "".join(chat.reply([("user", DEMO_PROMPT)], max_new_tokens=48))
+    reply = "".join(chat.reply([("user", DEMO_PROMPT)], max_new_tokens=32))
     click.echo(reply)
 
     click.secho("\nDone. Next:", bold=True)
