@@ -267,4 +267,10 @@ def _echo_stats(result: dict, seq_len: int) -> None:
         click.echo(
             f"  {name:<12} rows {q['rows']:>8}  valid context {q['valid_context_ratio']:.3f}"
             f"  padding {q['padding_ratio']:.3f}  targets lost {q['targets_lost']}"
+            + (
+                f"  targets attending across conversations {q['cross_document_targets']}"
+                f"  conversations split {q['split_documents']}"
+                if "cross_document_targets" in q
+                else ""
+            )
         )
