@@ -207,7 +207,8 @@ class Job:
                 codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 self.signal(signal.SIGKILL)
-                pytest.fail(f"trainer hung for {timeout}s:\n{self.output()[-3000:]}")
+                tails = "\n".join(self.output(r)[-2000:] for r in range(len(self.procs)))
+                pytest.fail(f"trainer hung for {timeout}s:\n{tails}")
         return codes
 
     def wait_ok(self, timeout: float = PROCESS_TIMEOUT_S) -> None:

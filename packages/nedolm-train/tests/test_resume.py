@@ -8,6 +8,7 @@ are not part of the recipe; the loader's batch order does not depend on its work
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,4 +117,16 @@ def test_sigterm_during_compile_warmup_checkpoints_and_exits_0(harness, make_con
     [(step, path)] = list_checkpoints(job.run_dir)
     state = load_checkpoint(path)
     assert step == 1 and state["contract"]["execution"]["effective_compile"] is True
+    assert "stop requested (SIGTERM)" in (job.run_dir / "train.log").read_text(encoding="utf-8")
+
+
+def test_sigterm_during_startup_imports_is_kept(harness, make_config) -> None:
+    """`python -m nedolm.train` installs its handlers before importing torch."""
+    config = make_config(train={"max_steps": 3})
+    job = harness.Job(config)
+    time.sleep(1.0)  # the interpreter is up; torch and the model are still importing
+    job.signal(signal.SIGTERM)
+    job.wait_ok()
+    [(step, _)] = list_checkpoints(job.run_dir)
+    assert step == 1  # the first control point
     assert "stop requested (SIGTERM)" in (job.run_dir / "train.log").read_text(encoding="utf-8")

@@ -9,17 +9,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nedolm.train.config import load_sft_config
-from nedolm.train.trainer import run
+from nedolm.train.signals import StopRequest
 
 
 def main() -> None:
+    # Before torch is imported (seconds): a SIGTERM during startup is kept, not fatal.
+    stop = StopRequest().install()
+    from nedolm.train.config import load_sft_config
+    from nedolm.train.trainer import run
+
     parser = argparse.ArgumentParser(prog="python -m nedolm.train", description=__doc__)
     parser.add_argument("config", type=Path)
     parser.add_argument("--smoke-steps", type=int, default=None)
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
-    run(load_sft_config(args.config), smoke_steps=args.smoke_steps, compile=not args.no_compile)
+    cfg = load_sft_config(args.config)
+    run(cfg, smoke_steps=args.smoke_steps, compile=not args.no_compile, stop=stop)
 
 
 if __name__ == "__main__":

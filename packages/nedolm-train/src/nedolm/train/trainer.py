@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import traceback
 
 from nedolm.dist import DistInfo, all_rank_call, cleanup, main_rank_call, setup_distributed
 from nedolm.train.config import SFTConfig
@@ -14,7 +16,13 @@ from nedolm.train.signals import StopRequest
 log = logging.getLogger(__name__)
 
 
-def run(cfg: SFTConfig, *, smoke_steps: int | None = None, compile: bool = True) -> None:
+def run(
+    cfg: SFTConfig,
+    *,
+    smoke_steps: int | None = None,
+    compile: bool = True,
+    stop: StopRequest | None = None,
+) -> None:
     """Fine-tune per ``cfg`` in this process (one rank of a torchrun/SLURM job, or alone).
 
     Returns normally when the run finished or stopped on request (SIGTERM, SIGUSR1,
@@ -23,24 +31,38 @@ def run(cfg: SFTConfig, *, smoke_steps: int | None = None, compile: bool = True)
     Args:
         smoke_steps: run this many optimizer steps instead of the configured number.
         compile: False forces eager mode (``--no-compile``).
+        stop: a StopRequest installed earlier (e.g. before heavy imports); default: one is
+            installed now, before anything slow, so a signal during setup is not fatal.
     """
-    # Before anything slow: a signal that arrives during setup must not kill the job.
-    stop = StopRequest().install()
+    stop = stop or StopRequest().install()
     info = setup_distributed()
-    writer = None
     try:
-        main_rank_call(info, "create run directory", lambda: _make_run_dir(cfg))
-        setup_logging(cfg.run_dir if info.is_main else None)
-        _log_start(cfg, info)
-        run_state = prepare_run(cfg, info, smoke_steps=smoke_steps, allow_compile=compile)
-        writer = all_rank_call(
-            info, "open metrics", lambda: MetricsWriter(cfg.run_dir) if info.is_main else None
-        )
+        _train(cfg, info, stop, smoke_steps=smoke_steps, compile=compile)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # frames would keep the DDP model alive
+        raise
+    finally:
+        # The DDP reducer (and loader iterators) must die before their process group: a
+        # reducer destroyed after destroy_process_group can hang the exit under gloo.
+        gc.collect()
+        cleanup()
+
+
+def _train(
+    cfg: SFTConfig, info: DistInfo, stop: StopRequest, *, smoke_steps: int | None, compile: bool
+) -> None:
+    main_rank_call(info, "create run directory", lambda: _make_run_dir(cfg))
+    setup_logging(cfg.run_dir if info.is_main else None)
+    _log_start(cfg, info)
+    run_state = prepare_run(cfg, info, smoke_steps=smoke_steps, allow_compile=compile)
+    writer = all_rank_call(
+        info, "open metrics", lambda: MetricsWriter(cfg.run_dir) if info.is_main else None
+    )
+    try:
         TrainLoop(run_state, stop, writer).train()
     finally:
         if writer is not None:
             writer.close()
-        cleanup()
 
 
 def _make_run_dir(cfg: SFTConfig) -> None:
