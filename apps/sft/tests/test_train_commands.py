@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
 from nedolm.data.builder import BuildOptions, build_corpus
+from nedolm.data.tokenizer import load_tokenizer
+from nedolm.model import morph_classes_from_vocab
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
 from nedolm.train.config import load_run_config
 from nedolm_sft.cli import cli
@@ -54,6 +57,10 @@ def test_init_base_then_run_a_smoke_fine_tune(corpus: Path, tmp_path: Path) -> N
     special = json.loads((corpus / "SPECIAL_TOKENS.json").read_text(encoding="utf-8"))
     assert run_config.model["vocab_size"] == special["vocab_size"]
     assert run_config.eos_id == special["eos_id"] and run_config.model["d_model"] == 64
+    pieces = load_tokenizer(corpus / special["tokenizer"]["file"]).pieces()
+    classes = load_checkpoint(latest_checkpoint(base))["model"]["morph_classes"]
+    assert torch.equal(classes[: len(pieces)], morph_classes_from_vocab(pieces))
+    assert len(set(classes.tolist())) == 3  # word-initial, continuation and other pieces
 
     config = tmp_path / "sft.yaml"
     config.write_text(

@@ -8,7 +8,8 @@ import click
 import yaml
 
 from nedolm.data.format import read_special_tokens
-from nedolm.model import preset_names
+from nedolm.data.tokenizer import load_tokenizer
+from nedolm.model import morph_classes_from_vocab, preset_names
 from nedolm.train.base import init_base
 from nedolm.train.config import ConfigError, load_sft_config
 from nedolm.train.trainer import run as run_training
@@ -59,7 +60,7 @@ def _parse_override(_ctx: click.Context, _param: click.Parameter, values: tuple[
     "--data-dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="Take vocab size and EOS id from this prepared corpus's SPECIAL_TOKENS.json.",
+    help="Take vocab size, EOS id and morph classes from this prepared corpus (its tokenizer).",
 )
 @click.option(
     "--eos-id", type=click.IntRange(min=0), default=None, help="EOS id (with --vocab-size)."
@@ -90,9 +91,12 @@ def init_base_command(
     """
     if (vocab_size is None) == (data_dir is None):
         raise click.UsageError("give exactly one of --vocab-size or --data-dir")
+    morph_classes = None
     if data_dir is not None:
         special = read_special_tokens(data_dir)
         vocab_size, eos_id = special.vocab_size, special.eos_id
+        pieces = load_tokenizer(data_dir / special.tokenizer.file).pieces()
+        morph_classes = morph_classes_from_vocab(pieces)
     if eos_id is None:
         raise click.UsageError("--vocab-size needs --eos-id (the tokenizer's EOS id)")
     path = init_base(
@@ -101,6 +105,7 @@ def init_base_command(
         vocab_size=vocab_size,
         eos_id=eos_id,
         seed=seed,
+        morph_classes=morph_classes,
         overrides=overrides,
     )
     click.echo(f"wrote {out / 'config.yaml'} and {path}")
