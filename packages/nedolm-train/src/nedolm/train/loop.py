@@ -57,7 +57,6 @@ class TrainLoop:
         log.info("training steps %d -> %d", run.progress.step, run.max_steps)
         run.model.train()
         self._reset_log_window()
-        self.first_step = run.progress.step
         for step in range(run.progress.step, run.max_steps):
             if self.run_step(step):
                 log.warning(
@@ -207,8 +206,8 @@ class TrainLoop:
         archive, stop = sync_control_flags(
             rank0_archive_due=archive_due, local_stop=self.stop.requested or over_time
         )
-        if over_time and not self.stop.requested:
-            self.stop.requested = True  # so the log names the reason (max_hours)
+        if over_time:
+            self.stop.request("max_hours")
         with self._untimed():
             if archive:
                 self.save_archive()

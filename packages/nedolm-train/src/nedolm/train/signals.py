@@ -19,13 +19,13 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
-        self.signum: int | None = None
+        self.reason: str | None = None  # "SIGTERM", "SIGUSR1" or "max_hours"
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only set flags: the handler may run in the middle of any Python code (even a log
         # call), so the loop reports the signal when it acts on it.
         self.requested = True
-        self.signum = signum
+        self.reason = signal.Signals(signum).name
 
     def install(self) -> StopRequest:
         """Route the stop signals to this object; returns self."""
@@ -33,6 +33,11 @@ class StopRequest:
             signal.signal(signum, self._handle)
         return self
 
+    def request(self, reason: str) -> None:
+        """Ask for a stop from code (e.g. the max_hours limit)."""
+        self.requested = True
+        self.reason = self.reason or reason
+
     def describe(self) -> str:
-        """Why a stop was requested, for the log."""
-        return signal.Signals(self.signum).name if self.signum is not None else "max_hours"
+        """Why a stop was requested, for the log (a peer's request when not this rank's)."""
+        return self.reason or "requested by another rank"
