@@ -151,7 +151,6 @@ class Job:
         *,
         world_size: int = 1,
         env: dict[str, str] | None = None,
-        cli: bool = False,
         args: tuple[str, ...] = (),
     ) -> None:
         self.config = config
@@ -176,11 +175,7 @@ class Job:
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port),
                 }
-            cmd = (
-                [str(Path(sys.executable).with_name("nedolm-sft")), "run", str(config), *args]
-                if cli
-                else [sys.executable, "-m", "nedolm.train", str(config), *args]
-            )
+            cmd = [sys.executable, "-m", "nedolm.train", str(config), *args]
             log = config.parent / f"{config.stem}-{stamp}-rank{rank}.log"
             with log.open("wb") as out:
                 proc = subprocess.Popen(

@@ -31,7 +31,7 @@ def _assert_matches_reference(
 
 def test_sigterm_then_resume_is_bitwise_exact(harness, reference, make_config) -> None:
     config = make_config()
-    job = harness.Job(config, env=SLOW_FETCH, cli=True)  # through `nedolm-sft run`
+    job = harness.Job(config, env=SLOW_FETCH)
     job.wait_for_step(4)
     job.signal(signal.SIGTERM)
     job.wait_ok()
