@@ -17,6 +17,8 @@ import yaml
 
 from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.data.format import read_special_tokens
+from nedolm.data.tokenizer import load_tokenizer
+from nedolm.model import morph_classes_from_vocab
 from nedolm.train.base import init_base
 from nedolm.train.config import load_sft_config
 from nedolm.train.trainer import run as run_training
@@ -111,8 +113,13 @@ def demo(out: Path, steps: int) -> None:
     _stage(f"2/5 initialise a random `tiny` base model → {out / 'base'}")
     specials = read_special_tokens(data_dir)
     if not (out / "base" / "config.yaml").is_file():
+        pieces = load_tokenizer(data_dir / specials.tokenizer.file).pieces()
         init_base(
-            out / "base", preset_name="tiny", vocab_size=specials.vocab_size, eos_id=specials.eos_id
+            out / "base",
+            preset_name="tiny",
+            vocab_size=specials.vocab_size,
+            eos_id=specials.eos_id,
+            morph_classes=morph_classes_from_vocab(pieces),
         )
     config_path = out / "sft.yaml"
     config_path.write_text(yaml.safe_dump(sft_settings(out, steps), sort_keys=False))
