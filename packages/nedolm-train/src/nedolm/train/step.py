@@ -54,7 +54,7 @@ def to_micro_batch(batch: dict[str, Tensor], device: torch.device, eos_id: int) 
     tokens = batch["tokens"].to(device, dtype=torch.long, non_blocking=True)
     mask = batch["trainable_mask"][:, 1:]
     targets = int(mask.sum())  # on the CPU copy: no device sync
-    inputs = tokens[:, :-1]
+    inputs = tokens[:, :-1].contiguous()  # a strided view would recompile the compiled model
     labels = tokens[:, 1:].masked_fill(~mask.to(device, non_blocking=True), IGNORE_INDEX)
     cu_seqlens, position_ids = packed_layout(inputs, eos_id)
     return MicroBatch(inputs, labels, cu_seqlens, position_ids, targets)
