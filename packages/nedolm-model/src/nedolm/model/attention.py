@@ -12,6 +12,7 @@ graphs never depend on how rows were packed. Optional kernels are imported only 
 # n segments in one sdpa group, P padded length of that group.
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +26,12 @@ try:
 except ImportError:  # CPU installs and machines without the optional kernel
     flash_attn_varlen_func = None
 
-try:
+# torch's varlen kernel runs only on CUDA, and importing it pulls in torch._dynamo (seconds at
+# every process start), so CPU-only processes just check that it exists.
+HAS_TORCH_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None  # torch>=2.10
+varlen_attn = None
+if HAS_TORCH_VARLEN and torch.cuda.is_available():
     from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch < 2.10
-    varlen_attn = None
 
 BACKENDS = ("flash", "torch_varlen", "sdpa")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -51,7 +54,7 @@ def attention_backends(device: torch.device | str | None = None) -> dict[str, st
     elif not on_cuda:
         flash = f"flash-attn needs a CUDA device, got {device.type}"
     torch_varlen: str | None = None
-    if varlen_attn is None:
+    if not HAS_TORCH_VARLEN:
         torch_varlen = f"torch.nn.attention.varlen is missing in torch {torch.__version__}"
     elif not on_cuda:
         torch_varlen = f"torch.nn.attention.varlen needs a CUDA device, got {device.type}"
