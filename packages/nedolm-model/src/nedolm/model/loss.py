@@ -20,6 +20,10 @@ IGNORE_INDEX = -100
 LOSS_CHUNK_ELEMENTS = 1 << 25  # logits elements per chunk: 128 MiB in fp32
 
 
+# Eager under torch.compile: the chunk loop's trip count depends on the number of targets, so a
+# compiled head would be specialised (recompiled) for every new count. Its work is a few large
+# matmuls per chunk, which eager mode runs at full speed anyway.
+@torch.compiler.disable
 def fused_linear_cross_entropy(
     hidden_ND: Tensor,
     weight_WD: Tensor,
