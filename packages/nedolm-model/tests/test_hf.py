@@ -1,11 +1,12 @@
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from nedolm.model import ExportFormatError, export_hf, load_hf
+from nedolm.model import ExportFormatError, build_model, export_hf, load_hf, preset
 
 
 def test_dense_export_loads_in_transformers_with_the_same_logits(make_model, tmp_path) -> None:
@@ -82,3 +83,14 @@ def test_load_hf_reads_a_checkpoint_saved_by_transformers(tmp_path) -> None:
     input_ids = torch.randint(0, 130, (2, 40))
     with torch.no_grad():
         assert (ours(input_ids)[1] - hf(input_ids).logits).abs().max() <= 1e-4
+
+
+def test_exported_files_follow_the_umask(tmp_path) -> None:
+    model = build_model(preset("tiny", n_morph_classes=0, morph_expert_dim=0, vocab_size=128))
+    old = os.umask(0o022)
+    try:
+        export_hf(model, tmp_path / "out")
+    finally:
+        os.umask(old)
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o644, name
