@@ -76,3 +76,7 @@ def test_exported_tokenizer_encodes_the_control_tokens_at_corpus_ids(exported: P
     assert ids == [chat.specials.message_start_id]
     assert hf.convert_tokens_to_ids("<|mesaj_bitir|>") == chat.specials.message_end_id
     assert hf.eos_token_id == chat.specials.eos_id
+    text = hf.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == f"<|mesaj_basla|>kullanici\n{PROMPT}<|mesaj_bitir|><|mesaj_basla|>asistan\n"

@@ -19,6 +19,7 @@ import msgspec
 import torch
 
 from nedolm.data.format import SPECIAL_TOKENS_FILE, SpecialTokens, read_special_tokens
+from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN
 from nedolm.data.tokenizer import TextTokenizer, load_tokenizer, read_tokenizer_bytes
 from nedolm.model import MorphTransformer, build_model, export_hf, generate, load_hf
 from nedolm.train.base import model_config
@@ -141,8 +142,8 @@ def _write_hf_tokenizer(chat: ChatModel, out_dir: Path) -> None:
     tok = Tokenizer.from_str(read_tokenizer_bytes(chat.tokenizer.path).decode("utf-8"))
     specials = chat.specials
     extra = {
-        specials.message_start_id: "<|mesaj_basla|>",
-        specials.message_end_id: "<|mesaj_bitir|>",
+        specials.message_start_id: MESSAGE_START_TOKEN,
+        specials.message_end_id: MESSAGE_END_TOKEN,
     }
     if specials.pad_id >= tok.get_vocab_size(with_added_tokens=True):
         extra[specials.pad_id] = "<|pad|>"
@@ -155,13 +156,14 @@ def _write_hf_tokenizer(chat: ChatModel, out_dir: Path) -> None:
     tok.save(str(out_dir / "tokenizer.json"))
     eos = tok.id_to_token(specials.eos_id)
     roles = specials.roles
+    start, end = MESSAGE_START_TOKEN, MESSAGE_END_TOKEN
     template = (
-        "{% for m in messages %}<|mesaj_basla|>"
+        f"{{% for m in messages %}}{start}"
         + "".join(
             f"{{% if m['role'] == '{role}' %}}{word}\n{{% endif %}}" for role, word in roles.items()
         )
-        + "{{ m['content'] }}<|mesaj_bitir|>{% endfor %}"
-        + f"{{% if add_generation_prompt %}}<|mesaj_basla|>{roles['assistant']}\n{{% endif %}}"
+        + f"{{{{ m['content'] }}}}{end}{{% endfor %}}"
+        + f"{{% if add_generation_prompt %}}{start}{roles['assistant']}\n{{% endif %}}"
     )
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
