@@ -87,60 +87,24 @@ def test_stats_json_matches_the_audit(corpus):
     assert text.exit_code == 0 and "seq_len 2048: windows" in text.output
 
 
-def test_bad_options_and_inputs_are_one_line_errors(tmp_path):
+@pytest.mark.parametrize(
+    ("extra", "exit_code", "message"),
+    [
+        (["--no-progress"], 1, "Error: bad.jsonl:1: messages[1]: content is empty"),
+        (["--map-role", "tool"], 2, "'tool' is not FROM=TO"),
+        (["--val-shards", "a,b"], 2, "not a comma-separated list"),
+    ],
+)
+def test_bad_options_and_inputs_are_one_line_errors(tmp_path, extra, exit_code, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
         '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]}\n',
         encoding="utf-8",
     )
-    result = CliRunner().invoke(
-        cli,
-        [
-            "prepare",
-            str(bad),
-            "--tokenizer",
-            str(TOKENIZER),
-            "--out",
-            str(tmp_path / "o"),
-            "--seq-len",
-            "64",
-            "--no-progress",
-        ],
-    )
-    assert result.exit_code == 1
-    assert "Error: bad.jsonl:1: messages[1]: content is empty" in result.output
-    result = CliRunner().invoke(
-        cli,
-        [
-            "prepare",
-            str(bad),
-            "--tokenizer",
-            str(TOKENIZER),
-            "--out",
-            str(tmp_path / "o"),
-            "--seq-len",
-            "64",
-            "--map-role",
-            "tool",
-        ],
-    )
-    assert result.exit_code == 2 and "'tool' is not FROM=TO" in result.output
-    result = CliRunner().invoke(
-        cli,
-        [
-            "prepare",
-            str(bad),
-            "--tokenizer",
-            str(TOKENIZER),
-            "--out",
-            str(tmp_path / "o"),
-            "--seq-len",
-            "64",
-            "--val-shards",
-            "a,b",
-        ],
-    )
-    assert result.exit_code == 2 and "not a comma-separated list" in result.output
+    args = ["prepare", str(bad), "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "o")]
+    result = CliRunner().invoke(cli, [*args, "--seq-len", "64", *extra])
+    assert result.exit_code == exit_code
+    assert message in result.output
 
 
 @pytest.mark.slow  # a real interpreter importing the whole app (torch included)
