@@ -89,42 +89,17 @@ def test_init_base_then_run_a_smoke_fine_tune(corpus: Path, tmp_path: Path) -> N
     assert "step 2/2 loss" in result.stderr
 
 
+SIZED_TINY = ["--preset", "tiny", "--out", "b", "--vocab-size", "100", "--eos-id", "2"]
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["--preset", "tiny", "--out", "b"], "exactly one of --vocab-size or --data-dir"),
         (["--preset", "tiny", "--out", "b", "--vocab-size", "100"], "--vocab-size needs --eos-id"),
         (["--preset", "huge", "--out", "b", "--vocab-size", "100"], "'huge' is not one of"),
-        (
-            [
-                "--preset",
-                "tiny",
-                "--out",
-                "b",
-                "--vocab-size",
-                "100",
-                "--eos-id",
-                "2",
-                "--set",
-                "d_modle=8",
-            ],
-            "d_modle",
-        ),
-        (
-            [
-                "--preset",
-                "tiny",
-                "--out",
-                "b",
-                "--vocab-size",
-                "100",
-                "--eos-id",
-                "2",
-                "--set",
-                "oops",
-            ],
-            "expected KEY=VALUE",
-        ),
+        ([*SIZED_TINY, "--set", "d_modle=8"], "d_modle"),
+        ([*SIZED_TINY, "--set", "oops"], "expected KEY=VALUE"),
     ],
 )
 def test_init_base_usage_errors_name_the_problem(args: list[str], needle: str) -> None:
