@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from matplotlib import image
+
+RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
 
 # Line colours of the plot's curves (matplotlib's tab10): train, validation, lr, throughput.
 CURVE_COLOURS = {
@@ -26,14 +28,9 @@ def pixels_of(png: np.ndarray, rgb: tuple[int, int, int]) -> int:
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+def test_demo_runs_end_to_end(nedolm_sft: RunCli, tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = subprocess.run(
-        [sys.executable, "-m", "nedolm_sft", "demo", "--out", str(out), "--steps", "4"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    result = nedolm_sft("demo", "--out", str(out), "--steps", "4", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
     records = [

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
-
-def nedolm_sft(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "nedolm_sft", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-    )
+RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
 
 
 def assert_clear_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -43,36 +35,24 @@ def write_config(path: Path, **changes: object) -> Path:
     return path
 
 
-def test_run_with_a_missing_config_file(tmp_path: Path) -> None:
+def test_run_with_a_missing_config_file(nedolm_sft: RunCli, tmp_path: Path) -> None:
     assert_clear_error(nedolm_sft("run", "nope.yaml", cwd=tmp_path), "nope.yaml")
 
 
-def test_run_with_a_typo_in_the_config_names_key_and_file(tmp_path: Path) -> None:
+def test_run_with_a_typo_in_the_config_names_key_and_file(
+    nedolm_sft: RunCli, tmp_path: Path
+) -> None:
     config = write_config(tmp_path / "sft.yaml", train={"micro_bach_size": 2})
     assert_clear_error(nedolm_sft("run", str(config), cwd=tmp_path), "micro_bach_size", "sft.yaml")
 
 
-def test_run_on_an_unprepared_data_directory(tmp_path: Path) -> None:
+def test_run_on_an_unprepared_data_directory(nedolm_sft: RunCli, tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nedolm_sft",
-            "init-base",
-            "--preset",
-            "tiny",
-            "--vocab-size",
-            "32003",
-            "--eos-id",
-            "2",
-            "--out",
-            str(tmp_path / "base"),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
+    base = nedolm_sft(
+        *("init-base", "--preset", "tiny", "--vocab-size", "32003", "--eos-id", "2"),
+        *("--out", str(tmp_path / "base")),
     )
+    assert base.returncode == 0, base.stderr
     config = write_config(tmp_path / "sft.yaml")
     assert_clear_error(nedolm_sft("run", str(config), cwd=tmp_path), "SPECIAL_TOKENS.json")
     loud = nedolm_sft("--debug", "run", str(config), cwd=tmp_path)
@@ -80,7 +60,7 @@ def test_run_on_an_unprepared_data_directory(tmp_path: Path) -> None:
     assert "Traceback" in loud.stderr
 
 
-def test_export_of_an_empty_run_directory(tmp_path: Path) -> None:
+def test_export_of_an_empty_run_directory(nedolm_sft: RunCli, tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     result = nedolm_sft("export", "run", "--out", "hf", cwd=tmp_path)
     assert_clear_error(result, "run holds no checkpoint")
@@ -96,11 +76,11 @@ def test_export_of_an_empty_run_directory(tmp_path: Path) -> None:
         (["prepare", "missing.jsonl", "--tokenizer", "t.json", "--out", "d"], "t.json"),
     ],
 )
-def test_wrong_paths(tmp_path: Path, args: list[str], needle: str) -> None:
+def test_wrong_paths(nedolm_sft: RunCli, tmp_path: Path, args: list[str], needle: str) -> None:
     assert_clear_error(nedolm_sft(*args, cwd=tmp_path), needle)
 
 
-def test_plot_names_a_corrupt_metrics_line(tmp_path: Path) -> None:
+def test_plot_names_a_corrupt_metrics_line(nedolm_sft: RunCli, tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{not json\n')
     assert_clear_error(nedolm_sft("plot", "run", cwd=tmp_path), "metrics.jsonl:2")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,14 +24,8 @@ FIXTURES = Path(__file__).resolve().parents[3] / "packages" / "nedolm-data" / "t
 SMALL = ["d_model=64", "n_layers=1", "n_heads=2", "n_kv_heads=1", "ffn_dim=96", "max_seq_len=256"]
 
 
-def nedolm_sft(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "nedolm_sft", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"},
-    )
+RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
+QUIET_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"}
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +40,15 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data"
 
 
-def test_init_base_then_run_a_smoke_fine_tune(corpus: Path, tmp_path: Path) -> None:
+def test_init_base_then_run_a_smoke_fine_tune(
+    nedolm_sft: RunCli, corpus: Path, tmp_path: Path
+) -> None:
     base = tmp_path / "base"
     sets = [arg for item in SMALL for arg in ("--set", item)]
     result = nedolm_sft(
-        "init-base", "--preset", "tiny", "--data-dir", str(corpus), "--out", str(base), *sets
+        "init-base",
+        *("--preset", "tiny", "--data-dir", str(corpus), "--out", str(base), *sets),
+        env=QUIET_ENV,
     )
     assert result.returncode == 0, result.stderr
     run_config = load_run_config(base / "config.yaml")
@@ -82,7 +80,7 @@ def test_init_base_then_run_a_smoke_fine_tune(corpus: Path, tmp_path: Path) -> N
         ),
         encoding="utf-8",
     )
-    result = nedolm_sft("run", str(config), "--smoke-steps", "2", "--no-compile")
+    result = nedolm_sft("run", str(config), "--smoke-steps", "2", "--no-compile", env=QUIET_ENV)
     assert result.returncode == 0, result.stderr
     state = load_checkpoint(latest_checkpoint(tmp_path / "run"))
     assert state["step"] == 2 and state["contract"]["execution"]["effective_compile"] is False
