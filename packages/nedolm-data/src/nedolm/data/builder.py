@@ -32,6 +32,7 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
+from nedolm.data.atomic import fsync_dir
 from nedolm.data.contract import (
     SHARD_MANIFEST_FILE,
     dump_json,
@@ -619,7 +620,7 @@ def _install(tmp: Path, out: Path, overwrite: bool) -> bool:
         out.rmdir()
     if not out.exists():
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         return False
     if _same_tree(tmp, out):
         shutil.rmtree(tmp)
@@ -629,7 +630,7 @@ def _install(tmp: Path, out: Path, overwrite: bool) -> bool:
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     os.replace(out, old)
     os.replace(tmp, out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     shutil.rmtree(old)
     return False
 
@@ -638,11 +639,3 @@ def _same_tree(a: Path, b: Path) -> bool:
     files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
     return files_a == files_b and all(filecmp.cmp(a / f, b / f, shallow=False) for f in files_a)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

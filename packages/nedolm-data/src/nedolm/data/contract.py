@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE
 from nedolm.data.hashing import file_sha256, hash_files
 from nedolm.data.packing import PackingCounts
@@ -60,13 +60,8 @@ def dump_json(obj: Any) -> bytes:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Atomic: temp file, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(dump_json(obj))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Deterministic JSON written atomically."""
+    atomic_write_bytes(path, dump_json(obj))
 
 
 def aggregate_sha256(entries: list[dict[str, Any]]) -> str:

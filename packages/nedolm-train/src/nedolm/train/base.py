@@ -15,8 +15,9 @@ from typing import Any
 import msgspec
 import torch
 
+from nedolm.data.atomic import atomic_write_bytes
 from nedolm.model import ModelConfig, MorphTransformer, build_model, preset
-from nedolm.train.checkpoint import atomic_write, latest_checkpoint, save_checkpoint
+from nedolm.train.checkpoint import latest_checkpoint, save_checkpoint
 from nedolm.train.config import RunConfig
 
 BASE_CONFIG_FILE = "config.yaml"
@@ -62,6 +63,6 @@ def init_base(
         model.set_morph_classes(morph_classes)
     run_config = RunConfig(model=dataclasses.asdict(cfg), eos_id=eos_id)
     text = msgspec.yaml.encode(run_config)
-    atomic_write(Path(out_dir) / BASE_CONFIG_FILE, lambda handle: handle.write(text))
+    atomic_write_bytes(Path(out_dir) / BASE_CONFIG_FILE, text)
     payload = {"model": model.state_dict(), "step": 0, "model_config": dataclasses.asdict(cfg)}
     return save_checkpoint(Path(out_dir), 0, payload, keep_last=1, keep_every=0)

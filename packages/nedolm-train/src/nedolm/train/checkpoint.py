@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
+
+from nedolm.data.atomic import atomic_write, atomic_write_bytes, is_temporary
 
 log = logging.getLogger(__name__)
 
@@ -35,36 +35,10 @@ CHECKPOINT_DIR = "checkpoints"
 ARCHIVE_DIR = "archives"
 METADATA_FILE = "run_metadata.json"
 _CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
-_TMP_MARK = ".tmp-"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be read, or its content is not a training checkpoint."""
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> Path:
-    """Write ``path`` through ``write(file)`` so that it appears complete or not at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
-    try:
-        with tmp.open("wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -105,7 +79,7 @@ def _remove_stale_tmp(directory: Path) -> None:
     # Only rank 0 writes here, one file at a time: any temp file is a leftover of a killed job.
     if directory.is_dir():
         for path in directory.iterdir():
-            if path.name.startswith(".") and _TMP_MARK in path.name:
+            if is_temporary(path):
                 path.unlink(missing_ok=True)
 
 
@@ -152,4 +126,4 @@ def write_run_metadata(run_dir: Path, entry: dict[str, Any]) -> Path:
     path = Path(run_dir) / METADATA_FILE
     history = json.loads(path.read_text(encoding="utf-8"))["starts"] if path.exists() else []
     text = json.dumps({"starts": [*history, entry]}, indent=2, ensure_ascii=False) + "\n"
-    return atomic_write(path, lambda handle: handle.write(text.encode("utf-8")))
+    return atomic_write_bytes(path, text.encode("utf-8"))

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.contract import validate_dataset_contract
 from nedolm.data.loader import build_sft_loader
 from nedolm.data.packing import discover_sft_shards
@@ -36,7 +37,6 @@ from nedolm.dist import (
 from nedolm.model import IGNORE_INDEX, ModelConfig, build_model, packed_layout, resolve_attn_impl
 from nedolm.train.base import model_config, resolve_base_checkpoint
 from nedolm.train.checkpoint import (
-    atomic_write,
     latest_checkpoint,
     load_checkpoint,
     write_run_metadata,
@@ -444,7 +444,7 @@ def _write_metadata(run: Run, data: _Data) -> None:
         "fingerprints": {k: fingerprint(v) for k, v in run.contract.items()},
     }
     text = json.dumps(resolved, indent=2, ensure_ascii=False, default=str) + "\n"
-    atomic_write(run.cfg.run_dir / RESOLVED_CONFIG_FILE, lambda handle: handle.write(text.encode()))
+    atomic_write_bytes(run.cfg.run_dir / RESOLVED_CONFIG_FILE, text.encode())
     write_run_metadata(
         run.cfg.run_dir,
         {
