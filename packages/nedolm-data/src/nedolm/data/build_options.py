@@ -1,0 +1,62 @@
+"""What a build is asked to do (``BuildOptions``) and how it refuses (``BuildError``).
+
+Shared by every build stage: the encoder, the shard sink, the installer and ``build_corpus``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from nedolm.data.sources import RecordPolicy
+
+
+class BuildError(RuntimeError):
+    """The build cannot produce a corpus (bad options, nothing kept, an occupied ``out``)."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to turn inputs into shards; the same options give byte-identical output."""
+
+    seq_len: int  # the packing audit is computed for this context length
+    shards: int | None = None  # N shards, documents dealt round-robin in input order
+    shard_tokens: int | None = None  # or: fill shards in order up to this many tokens each
+    val_shards: tuple[int, ...] = ()  # shard ids held out for validation
+    val_fraction: float | None = None  # or: hold out the last ceil(fraction * N) shards
+    policy: RecordPolicy = field(default_factory=RecordPolicy)
+    workers: int = 1  # 1: encode in this process; >1: a pool of processes
+    chunk_records: int = 256
+    overwrite: bool = False  # replace an ``out`` that holds a different corpus
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise BuildError(f"--seq-len must be positive, not {self.seq_len}")
+        if self.shards is not None and self.shard_tokens is not None:
+            raise BuildError("give either --shards or --shard-tokens, not both")
+        if self.shards is not None and self.shards < 1:
+            raise BuildError(f"--shards must be at least 1, not {self.shards}")
+        if self.shard_tokens is not None and self.shard_tokens < 1:
+            raise BuildError(f"--shard-tokens must be positive, not {self.shard_tokens}")
+        if self.val_shards and self.val_fraction is not None:
+            raise BuildError("give either --val-shards or --val-fraction, not both")
+        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
+            raise BuildError(f"--val-fraction must be in (0, 1), not {self.val_fraction}")
+        if self.workers < 1 or self.chunk_records < 1:
+            raise BuildError("--workers and the chunk size must be at least 1")
+
+    @property
+    def shard_count(self) -> int | None:
+        """Known before the build unless shards are filled up to ``shard_tokens``."""
+        return None if self.shard_tokens is not None else (self.shards or 1)
+
+    def validation_ids(self, num_shards: int) -> list[int]:
+        ids = sorted(set(self.val_shards))
+        if self.val_fraction is not None:
+            count = math.ceil(self.val_fraction * num_shards)
+            ids = list(range(num_shards - count, num_shards))
+        if any(not 0 <= i < num_shards for i in ids):
+            raise BuildError(f"validation shard ids {ids} outside 0..{num_shards - 1}")
+        if ids and len(ids) >= num_shards:
+            raise BuildError(f"validation takes all {num_shards} shards; none left to train on")
+        return ids

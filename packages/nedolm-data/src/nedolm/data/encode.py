@@ -1,0 +1,235 @@
+"""Encoding: chunks of input lines → parsed, tokenized documents laid out by the renderer.
+
+Chunks are parsed and encoded in-process (a ``tokenizers`` or ``sentencepiece`` batch encode
+already uses every core; one thread tokenizes the next chunk while this one lays out documents)
+or in a pool of worker processes (``--workers``). Either way results come back in input order,
+so the corpus is the same whatever the number of workers. Reading records is ``sources``'s job
+(``iter_lines`` + ``parse_record``): a new input format plugs in there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import multiprocessing.pool
+import os
+import sys
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nedolm.data.build_options import BuildOptions
+from nedolm.data.format import SpecialTokens
+from nedolm.data.packing import document_drop_reason
+from nedolm.data.records import ROLE_NAMES, token_dtype
+from nedolm.data.render import ConversationLayout, message_segments
+from nedolm.data.sources import (
+    SPECIAL_TOKEN_IN_CONTENT,
+    Conversation,
+    RecordPolicy,
+    Rejected,
+    iter_lines,
+    parse_record,
+)
+from nedolm.data.tokenizer import TextTokenizer, load_tokenizer
+
+Lines = list[tuple[int, bytes]]
+"""(line number, raw line) of one chunk of an input file."""
+
+
+@dataclass
+class EncodedDocument:
+    line: int
+    doc_key: int
+    tokens: np.ndarray
+    segments: np.ndarray
+    content_lengths: np.ndarray  # <u4, one per message: digest input, straight from the encoder
+    content: np.ndarray  # <u4, every message's content ids concatenated
+
+
+Encoded = EncodedDocument | Rejected
+
+
+class ChunkEncoder:
+    """Parses and encodes one chunk of lines into documents laid out as SPEC §2 says."""
+
+    def __init__(
+        self, tokenizer: TextTokenizer, specials: SpecialTokens, policy: RecordPolicy, seq_len: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.specials = specials
+        self.policy = policy
+        self.seq_len = seq_len
+        self.layout = ConversationLayout.from_specials(specials)
+        self.forbidden = {specials.eos_id, specials.pad_id}
+        self.header_len = np.array([len(self.layout.headers[name]) for name in ROLE_NAMES])
+        self.dtype = token_dtype(specials.vocab_size)
+
+    def encode(self, source_name: str, lines: Sequence[tuple[int, bytes]]) -> list[Encoded]:
+        parsed = self.parse(source_name, lines)
+        return self.assemble(source_name, lines, parsed, self.tokenize(parsed))
+
+    def parse(
+        self, source_name: str, lines: Sequence[tuple[int, bytes]]
+    ) -> list[Conversation | Rejected]:
+        return [parse_record(raw, source_name, line, self.policy) for line, raw in lines]
+
+    def tokenize(self, parsed: Sequence[Conversation | Rejected]) -> list[list[int]]:
+        """Content ids of every message of the chunk's conversations (releases the GIL)."""
+        texts = [m.text for c in parsed if isinstance(c, Conversation) for m in c.messages]
+        return self.tokenizer.encode_batch(texts)
+
+    def assemble(
+        self,
+        source_name: str,
+        lines: Sequence[tuple[int, bytes]],
+        parsed: Sequence[Conversation | Rejected],
+        ids: list[list[int]],
+    ) -> list[Encoded]:
+        contents = iter(ids)
+        results: list[Encoded] = []
+        for (line, _), record in zip(lines, parsed, strict=True):
+            if isinstance(record, Rejected):
+                results.append(record)
+            else:
+                messages = [next(contents) for _ in record.messages]
+                results.append(self._document(source_name, line, record, messages))
+        return results
+
+    def _document(
+        self, source_name: str, line: int, conv: Conversation, contents: list[list[int]]
+    ) -> Encoded:
+        for i, content in enumerate(contents):
+            if not self.forbidden.isdisjoint(content):
+                return Rejected(
+                    SPECIAL_TOKEN_IN_CONTENT,
+                    f"{source_name}:{line}: messages[{i}] encodes to the EOS or pad id (text such"
+                    " as '</s>' that this tokenizer turns into a special token)",
+                )
+        roles = np.array([m.role for m in conv.messages], np.int64)
+        content_len = np.array([len(c) for c in contents], np.int64)
+        segments = message_segments(
+            np.array([len(roles)]),
+            roles,
+            self.header_len[roles],
+            content_len,
+            np.array([m.trainable for m in conv.messages], bool),
+        )
+        reason = document_drop_reason(segments, self.seq_len)
+        if reason is not None:
+            return Rejected(reason, f"{source_name}:{line}: dropped ({reason})")
+        tokens = self.layout.document([ROLE_NAMES[m.role] for m in conv.messages], contents)
+        return EncodedDocument(
+            line=line,
+            doc_key=conv.doc_key,
+            tokens=np.array(tokens, self.dtype),
+            segments=segments,
+            content_lengths=content_len.astype("<u4"),
+            content=np.fromiter(itertools.chain.from_iterable(contents), "<u4"),
+        )
+
+
+def encoded_chunks(
+    paths: Sequence[Path], encoder: ChunkEncoder, options: BuildOptions
+) -> Iterator[tuple[int, int, list[Encoded]]]:
+    """(source, bytes read, results) per chunk, in input order, at most 2*workers in flight."""
+    names = [p.name for p in paths]
+    chunks = _chunks(paths, options.chunk_records)
+    if options.workers == 1:
+        yield from _pipelined(chunks, names, encoder)
+        return
+    init = (encoder.tokenizer.path, encoder.specials, options.policy, options.seq_len)
+    with _worker_pool(options.workers, init) as pool:
+        pending: deque = deque()
+        for source, lines in chunks:
+            pending.append(
+                (
+                    source,
+                    sum(len(r) for _, r in lines),
+                    pool.apply_async(_encode_in_worker, (names[source], lines)),
+                )
+            )
+            if len(pending) >= 2 * options.workers:
+                source_done, size, result = pending.popleft()
+                yield source_done, size, result.get()
+        while pending:
+            source_done, size, result = pending.popleft()
+            yield source_done, size, result.get()
+
+
+def _chunks(paths: Sequence[Path], size: int) -> Iterator[tuple[int, Lines]]:
+    for source, path in enumerate(paths):
+        chunk: Lines = []
+        for item in iter_lines(path):
+            chunk.append(item)
+            if len(chunk) == size:
+                yield source, chunk
+                chunk = []
+        if chunk:
+            yield source, chunk
+
+
+def _pipelined(
+    chunks: Iterator[tuple[int, Lines]], names: list[str], encoder: ChunkEncoder
+) -> Iterator[tuple[int, int, list[Encoded]]]:
+    """In-process encoding overlapped with Python work: one thread runs the tokenizer on the
+    next chunk (the tokenizer releases the GIL) while this one parses and lays out documents."""
+    with ThreadPoolExecutor(max_workers=1) as tokenizer_thread:
+        pending: deque = deque()
+        for source, lines in chunks:
+            parsed = encoder.parse(names[source], lines)
+            pending.append(
+                (source, lines, parsed, tokenizer_thread.submit(encoder.tokenize, parsed))
+            )
+            if len(pending) > 1:
+                yield _assembled(pending.popleft(), names, encoder)
+        while pending:
+            yield _assembled(pending.popleft(), names, encoder)
+
+
+def _assembled(item: tuple, names: list[str], encoder: ChunkEncoder) -> tuple[int, int, list]:
+    source, lines, parsed, ids = item
+    results = encoder.assemble(names[source], lines, parsed, ids.result())
+    return source, sum(len(raw) for _, raw in lines), results
+
+
+_WORKER: ChunkEncoder | None = None
+
+
+def _init_worker(
+    tokenizer_path: Path, specials: SpecialTokens, policy: RecordPolicy, seq_len: int
+) -> None:
+    global _WORKER
+    _WORKER = ChunkEncoder(load_tokenizer(tokenizer_path), specials, policy, seq_len)
+
+
+@contextlib.contextmanager
+def _worker_pool(workers: int, init: tuple) -> Iterator[multiprocessing.pool.Pool]:
+    """A pool of encoding processes, each with its own tokenizer.
+
+    Fork on Linux: spawned children would re-import the caller's ``__main__`` (for the CLI,
+    the whole app and torch: ~10 s each). ``TOKENIZERS_PARALLELISM=false`` while forking keeps
+    the children single-threaded and silences the library's fork warning.
+    """
+    method = "fork" if sys.platform == "linux" else "spawn"
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = multiprocessing.get_context(method).Pool(workers, _init_worker, init)
+    finally:
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    with pool:
+        yield pool
+
+
+def _encode_in_worker(source_name: str, lines: Lines) -> list[Encoded]:
+    assert _WORKER is not None
+    return _WORKER.encode(source_name, lines)

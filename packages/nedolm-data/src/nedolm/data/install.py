@@ -1,0 +1,77 @@
+"""Output install: a finished corpus in a temporary directory → ``out``, atomically.
+
+The build writes into ``.<out>.tmp-<pid>`` beside ``out`` and renames it into place only
+after the verifier passed, so a crash never leaves a corpus that looks valid. Rebuilding the
+same corpus leaves ``out`` untouched; replacing a different one needs ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+from pathlib import Path
+
+from nedolm.data.atomic import fsync_dir
+from nedolm.data.build_options import BuildError
+from nedolm.data.contract import SHARD_MANIFEST_FILE
+
+
+def check_out(out: Path) -> None:
+    """Refuse early what no rebuild could replace: a file, or a directory that is no corpus."""
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / SHARD_MANIFEST_FILE).exists():
+        raise BuildError(f"{out}: exists, is not empty and holds no corpus; refusing to replace it")
+
+
+def fresh_tmp_dir(out: Path, *subdirs: str) -> Path:
+    """``.<out>.tmp-<pid>`` beside ``out`` with ``subdirs``; leftovers of dead builds go first."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for subdir in subdirs:
+        (tmp / subdir).mkdir()
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def install(tmp: Path, out: Path, overwrite: bool) -> bool:
+    """Move the finished corpus to ``out``; True if ``out`` already held the same bytes."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+        return False
+    if _same_tree(tmp, out):
+        shutil.rmtree(tmp)
+        return True
+    if not overwrite:
+        raise BuildError(f"{out}: holds a different corpus; pass --overwrite to replace it")
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.replace(out, old)
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    shutil.rmtree(old)
+    return False
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    return files_a == files_b and all(filecmp.cmp(a / f, b / f, shallow=False) for f in files_a)
