@@ -1,9 +1,9 @@
 """Synthetic corpora laid out exactly per SPEC §2, for property tests and benchmarks.
 
 Conversations are given as per-message lengths and roles (no tokenizer), and turned into the
-same token, segment and index arrays the builder writes: ``<|mesaj_basla|>`` + header +
-content + ``<|mesaj_bitir|>`` per message, EOS after the last message. Everything is
-vectorised so a benchmark can lay out millions of conversations in seconds.
+same token, segment and index arrays the builder writes, laid out by the renderer
+(``nedolm.data.render``). Everything is vectorised so a benchmark can lay out millions of
+conversations in seconds.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from nedolm.data.records import (
     ROLE_NAMES,
     ROLE_SYSTEM,
     ROLE_USER,
-    SEGMENT_DTYPE,
 )
+from nedolm.data.render import ConversationLayout, message_segments, message_starts
 
 MESSAGE_START_ID = 32000
 MESSAGE_END_ID = 32001
@@ -43,6 +43,13 @@ EOS_ID = 2
 PAD_ID = 3
 FIRST_CONTENT_ID = 4  # ids below are EOS/pad/specials, never content
 UNIQUE_BASE_ID = 16  # write_corpus(unique_tokens=True): first id, above EOS and pad
+SYNTHETIC_LAYOUT = ConversationLayout(
+    start_id=MESSAGE_START_ID,
+    end_id=MESSAGE_END_ID,
+    eos_id=EOS_ID,
+    headers={name: [FIRST_CONTENT_ID + code] for code, name in enumerate(ROLE_NAMES)},
+)
+"""The renderer's ids for synthetic corpora: header tokens are ``FIRST_CONTENT_ID + role``."""
 
 
 @dataclass(frozen=True)
@@ -130,24 +137,21 @@ def sample_conversations(params: dict, n: int, seed: int) -> Conversations:
 def layout(conversations: Conversations) -> tuple[np.ndarray, np.ndarray]:
     """Index and segment records (INDEX_DTYPE, SEGMENT_DTYPE) of the conversations."""
     counts = conversations.counts.astype(np.int64)
-    length = conversations.header_len + conversations.content_len + 1  # + <|mesaj_bitir|>
+    segments = message_segments(
+        counts,
+        conversations.role,
+        conversations.header_len - 1,  # the renderer counts header tokens without the start
+        conversations.content_len,
+        conversations.trainable,
+    )
     doc_of = np.repeat(np.arange(len(counts)), counts)
-    first_message = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    running = np.cumsum(length) - length  # exclusive prefix over all messages
-    start_in_doc = running - running[first_message][doc_of] if len(doc_of) else running
+    length = segments["length"].astype(np.int64)
     doc_len = np.bincount(doc_of, weights=length, minlength=len(counts)).astype(np.int64) + 1
-
-    segments = np.empty(len(length), SEGMENT_DTYPE)
-    segments["start"] = start_in_doc
-    segments["length"] = length
-    segments["header_len"] = conversations.header_len
-    segments["role"] = conversations.role
-    segments["trainable"] = conversations.trainable & (conversations.role == ROLE_ASSISTANT)
 
     index = np.empty(len(counts), INDEX_DTYPE)
     index["doc_key"] = np.arange(len(counts), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     index["token_start"] = np.concatenate([[0], np.cumsum(doc_len)[:-1]])
-    index["segment_start"] = first_message
+    index["segment_start"] = np.cumsum(counts) - counts
     index["token_len"] = doc_len
     index["segment_count"] = counts
     return index, segments
@@ -164,14 +168,11 @@ def tokens_for(
     dtype = np.uint16 if vocab_size + 2 <= 1 << 16 else np.uint32
     rng = np.random.default_rng(seed)
     tokens = rng.integers(FIRST_CONTENT_ID + len(ROLE_NAMES), vocab_size, size=total)
-    doc_of = np.repeat(np.arange(len(index)), index["segment_count"].astype(np.int64))
-    start = index["token_start"].astype(np.int64)[doc_of] + segments["start"]
+    start = message_starts(index, segments)
     header_len = segments["header_len"].astype(np.int64)
     in_header = np.repeat(start, header_len) + flat_ranges(header_len)
     tokens[in_header] = FIRST_CONTENT_ID + np.repeat(segments["role"].astype(np.int64), header_len)
-    tokens[start] = MESSAGE_START_ID
-    tokens[start + segments["length"] - 1] = MESSAGE_END_ID
-    tokens[index["token_start"].astype(np.int64) + index["token_len"] - 1] = EOS_ID
+    SYNTHETIC_LAYOUT.place_control_ids(tokens, index, segments)
     return tokens.astype(dtype)
 
 
@@ -210,9 +211,7 @@ def write_corpus(
             ControlToken(id=MESSAGE_END_ID, token=MESSAGE_END_TOKEN),
         ],
         roles=dict(ROLE_HEADERS),
-        role_header_token_ids={
-            name: [FIRST_CONTENT_ID + code] for code, name in enumerate(ROLE_NAMES)
-        },
+        role_header_token_ids={name: list(ids) for name, ids in SYNTHETIC_LAYOUT.headers.items()},
         tokenizer=TokenizerInfo(  # no tokenizer file: readers show ids
             name="synthetic", file="", kind="synthetic", sha256="", base_vocab_size=32000
         ),

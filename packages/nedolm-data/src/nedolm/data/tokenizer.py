@@ -26,6 +26,7 @@ from nedolm.data.format import (
 )
 from nedolm.data.hashing import file_sha256
 from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS
+from nedolm.data.render import role_header_text
 
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 _PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
@@ -173,7 +174,7 @@ def build_special_tokens(tokenizer: TextTokenizer, tokenizer_file: str) -> Speci
     pad_id = tokenizer.pad_id
     if pad_id is None or pad_id == tokenizer.eos_id:
         pad_id = base + 2
-    headers = tokenizer.encode_batch([f"{word}\n" for word in ROLE_HEADERS.values()])
+    headers = tokenizer.encode_batch([role_header_text(word) for word in ROLE_HEADERS.values()])
     for role, ids in zip(ROLE_HEADERS, headers, strict=True):
         if not ids:
             raise TokenizerError(f"{tokenizer.path}: the {role} header encodes to no tokens")
