@@ -8,12 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from nedolm.data.records import ROLE_ASSISTANT, ROLE_NAMES, ROLE_SYSTEM
+from nedolm.data.sources import Conversation, RecordPolicy, iter_lines, parse_record
 from nedolm.model import generate
 from nedolm_sft.chat_model import load_chat_model
 
 PROMPT = "Türkiye'nin başkenti neresidir?"
+TR_CHAT = Path(__file__).parents[1] / "packages" / "nedolm-data" / "tests" / "fixtures" / "tr_chat"
 
 
 def nedolm_sft(*args: str) -> subprocess.CompletedProcess[str]:
@@ -80,3 +83,44 @@ def test_exported_tokenizer_encodes_the_control_tokens_at_corpus_ids(exported: P
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
     )
     assert text == f"<|mesaj_basla|>kullanici\n{PROMPT}<|mesaj_bitir|><|mesaj_basla|>asistan\n"
+
+
+def fixture_conversations() -> list[Conversation]:
+    """Every record of the shipped Turkish fixtures, parsed as the builder parses them."""
+    return [
+        parse_record(raw, path.name, line, RecordPolicy())
+        for path in sorted(TR_CHAT.glob("*.jsonl"))
+        for line, raw in iter_lines(path)
+    ]
+
+
+def test_chat_template_tokenizes_to_the_renderer_ids_on_real_records(exported: Path) -> None:
+    """transformers' apply_chat_template with the exported tokenizer == the corpus renderer."""
+    chat = load_chat_model(exported)
+    hf = PreTrainedTokenizerFast.from_pretrained(exported)
+    conversations = fixture_conversations()
+    assert len(conversations) >= 50
+    assert sum(c.messages[0].role == ROLE_SYSTEM for c in conversations) >= 10
+    assert sum(sum(m.role == ROLE_ASSISTANT for m in c.messages) > 1 for c in conversations) >= 10
+    for conv in conversations:
+        roles = [ROLE_NAMES[m.role] for m in conv.messages]
+        texts = [m.text for m in conv.messages]
+        contents = chat.tokenizer.encode_batch(texts)
+        messages = [{"role": r, "content": t} for r, t in zip(roles, texts, strict=True)]
+
+        full = hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        assert full == chat.layout.document(roles, contents), conv.doc_key
+
+        # Generation: the conversation up to its last assistant turn, then an open turn.
+        last = max(i for i, r in enumerate(roles) if r == "assistant")
+        prompt = hf.apply_chat_template(
+            messages[:last], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        assert prompt == chat.render(list(zip(roles[:last], texts[:last], strict=True)))
+        assert prompt == chat.layout.prompt(roles[:last], contents[:last])
+
+
+def test_chat_template_refuses_an_unknown_role(exported: Path) -> None:
+    hf = PreTrainedTokenizerFast.from_pretrained(exported)
+    with pytest.raises(Exception, match="unknown role: tool"):
+        hf.apply_chat_template([{"role": "tool", "content": "{}"}], tokenize=False)

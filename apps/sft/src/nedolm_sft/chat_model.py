@@ -2,8 +2,9 @@
 
 Both places a user points the app at resolve to the same bundle: a run directory (newest SFT
 checkpoint, base config, and the prepared corpus the run trained on) or an export directory
-(written by ``nedolm-sft export``). Prompts are rendered with exactly the document layout the
-builder used for training, so the model sees at inference what it saw in training.
+(written by ``nedolm-sft export``). Prompts and the exported chat template come from the
+builder's renderer (``nedolm.data.render``), so the model sees at inference what it saw in
+training.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from nedolm.data.format import SPECIAL_TOKENS_FILE, SpecialTokens, read_special_tokens
 from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN
+from nedolm.data.render import ConversationLayout, LayoutError, chat_template
 from nedolm.data.tokenizer import TextTokenizer, load_tokenizer, read_tokenizer_bytes
 from nedolm.model import MorphTransformer, build_model, export_hf, generate, load_hf
 from nedolm.train.base import model_config
@@ -38,16 +40,16 @@ class ChatModel:
     source: Path
 
     def render(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Token ids of ``(role, content)`` messages followed by an open assistant header."""
+        """Token ids of ``(role, content)`` messages followed by an open assistant turn."""
         contents = self.tokenizer.encode_batch([content for _, content in messages])
-        headers = self.specials.role_header_token_ids
-        start, end = self.specials.message_start_id, self.specials.message_end_id
-        ids: list[int] = []
-        for (role, _), content in zip(messages, contents, strict=True):
-            if role not in headers:
-                raise click.ClickException(f"unknown role {role!r}; known: {sorted(headers)}")
-            ids += [start, *headers[role], *content, end]
-        return [*ids, start, *headers["assistant"]]
+        try:
+            return self.layout.prompt([role for role, _ in messages], contents)
+        except LayoutError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    @property
+    def layout(self) -> ConversationLayout:
+        return ConversationLayout.from_specials(self.specials)
 
     def reply(
         self,
@@ -155,16 +157,7 @@ def _write_hf_tokenizer(chat: ChatModel, out_dir: Path) -> None:
         tok.add_special_tokens([AddedToken(extra[token_id], special=True, normalized=False)])
     tok.save(str(out_dir / "tokenizer.json"))
     eos = tok.id_to_token(specials.eos_id)
-    roles = specials.roles
-    start, end = MESSAGE_START_TOKEN, MESSAGE_END_TOKEN
-    template = (
-        f"{{% for m in messages %}}{start}"
-        + "".join(
-            f"{{% if m['role'] == '{role}' %}}{word}\n{{% endif %}}" for role, word in roles.items()
-        )
-        + f"{{{{ m['content'] }}}}{end}{{% endfor %}}"
-        + f"{{% if add_generation_prompt %}}{start}{roles['assistant']}\n{{% endif %}}"
-    )
+    template = chat_template(eos, specials.roles)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": eos,
