@@ -19,13 +19,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nedolm.data.format import (
-    SPECIAL_TOKENS_SCHEMA,
     ControlToken,
     SpecialTokens,
     TokenizerInfo,
 )
 from nedolm.data.hashing import file_sha256
 from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS
+from nedolm.data.schema import SPECIAL_TOKENS_SCHEMA
 
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 _PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
