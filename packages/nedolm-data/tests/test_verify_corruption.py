@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import msgspec
+import numpy as np
 import pytest
 
 from nedolm.data.format import HEADER_BYTES, Shard, write_array
