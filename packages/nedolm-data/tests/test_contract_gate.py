@@ -15,6 +15,10 @@ from nedolm.data.contract import (
     aggregate_sha256,
     validate_dataset_contract,
 )
+from nedolm.data.packing import discover_sft_shards
+from nedolm.data.roles import validate_roles
+from nedolm.data.summary import corpus_summary
+from nedolm.data.verify import check_corpus
 
 VOCAB, SEQ_LEN = 32003, 1024
 
@@ -161,7 +165,8 @@ def test_shard_file_set_must_match_the_manifest(corpus):
         corpus / "shards" / "sft-00009-of-00002.index.bin",
     )
     with pytest.raises(
-        DatasetContractError, match=r"not listed \['shards/sft-00009-of-00002.index.bin'\]"
+        DatasetContractError,
+        match=r"does not list shards/sft-00009-of-00002\.index\.bin, which is on disk",
     ):
         validate_dataset_contract(corpus, VOCAB, SEQ_LEN)
 
@@ -179,3 +184,31 @@ def test_aggregate_helper_matches_manual_canonical_form():
     ]
     manual = '[{"path":"shards/b","sha256":"y","size":2},{"path":"shards/a","sha256":"x","size":1}]'
     assert aggregate_sha256(entries) == hashlib.sha256(manual.encode()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d.update(validation_shard_ids=[7]),
+        lambda d: d.update(shard_count=3),
+        lambda d: d["files"][0].update(sha256="0" * 64),
+    ],
+)
+def test_gate_and_verifier_report_a_manifest_claim_in_the_same_words(corpus, edit):
+    """One owner per claim: the gate raises the line check_corpus reports for the same edit."""
+    _edit(corpus / "SHARD_MANIFEST.json", edit)
+    with pytest.raises(DatasetContractError) as err:
+        validate_dataset_contract(corpus, VOCAB, SEQ_LEN)
+    gate_line = str(err.value).split("SHARD_MANIFEST.json: ", 1)[1]
+    assert f"SHARD_MANIFEST.json: {gate_line}" in check_corpus(corpus)
+
+
+def test_role_counts_agree_across_verifier_summary_and_trainer_check(corpus):
+    report = json.loads((corpus / "FINAL_BINARY_VERIFY_REPORT.json").read_text(encoding="utf-8"))
+    summary = corpus_summary(corpus)
+    trainer = validate_roles(discover_sft_shards(corpus, SEQ_LEN))
+    assert report["messages_by_role"] == summary["messages_by_role"]
+    assert report["messages_by_role"] == {n: trainer[n] for n in ("system", "user", "assistant")}
+    assert report["trainable_messages"] == trainer["assistant_trainable"]
+    assert summary["assistant_trainable_messages"] == trainer["assistant_trainable"]
+    assert summary["assistant_context_messages"] == trainer["assistant_context"]

@@ -8,7 +8,8 @@ import pytest
 from nedolm.data.format import Shard, discover_shards, shard_file_name, write_array
 from nedolm.data.packing import PackingCounts, discover_sft_shards
 from nedolm.data.records import ROLE_ASSISTANT, ROLE_USER
-from nedolm.data.stats import RoleError, corpus_stats, packing_quality, validate_roles
+from nedolm.data.roles import RoleError, validate_roles
+from nedolm.data.stats import corpus_stats, packing_quality
 from nedolm.data.synthetic import random_conversations, write_corpus
 
 

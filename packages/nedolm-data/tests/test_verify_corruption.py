@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -173,7 +174,7 @@ def test_swapped_content_token_breaks_only_the_content_check(corpus):
     tokens[position] = 1000 if tokens[position] != 1000 else 1001
     _rewrite_shard(corpus, tokens=tokens)
     result = _facts(corpus)
-    failed = [k for k, v in result.report.items() if v is False]
+    failed = [k for k, v in msgspec.structs.asdict(result.report).items() if v is False]
     assert failed == ["content_tokens_exact_vs_source"]
 
 
@@ -184,7 +185,7 @@ def test_control_token_inside_content_is_caught(corpus):
     tokens[int(seg["start"] + seg["header_len"])] = 32001  # a <|mesaj_bitir|> in content
     _rewrite_shard(corpus, tokens=tokens)
     result = _facts(corpus)
-    assert result.report["structural_control_counts_verified"] is False
+    assert result.report.structural_control_counts_verified is False
     assert any("<|mesaj_bitir|> occurs" in p for p in result.problems)
 
 
@@ -194,8 +195,8 @@ def test_trainable_user_message_breaks_the_assistant_only_contract(corpus):
     segments["trainable"][user] = 1
     _rewrite_shard(corpus, segments=segments)
     result = _facts(corpus)
-    assert result.report["assistant_only_trainable_contract_verified"] is False
-    assert result.report["status"] == "FAIL"
+    assert result.report.assistant_only_trainable_contract_verified is False
+    assert result.report.status == "FAIL"
 
 
 def test_wrong_header_is_caught(corpus):
@@ -205,7 +206,7 @@ def test_wrong_header_is_caught(corpus):
     tokens[int(seg["start"]) + 1] += 1  # first header token of document 0's first message
     _rewrite_shard(corpus, tokens=tokens)
     result = _facts(corpus)
-    assert result.report["header_schema_verified"] is False
+    assert result.report.header_schema_verified is False
 
 
 def test_broken_offsets_are_caught_and_skip_dependent_checks(corpus):
@@ -213,7 +214,7 @@ def test_broken_offsets_are_caught_and_skip_dependent_checks(corpus):
     index["token_start"][1] += 1
     _rewrite_shard(corpus, index=index)
     result = _facts(corpus)
-    assert result.report["offsets_lengths_exact"] is False
+    assert result.report.offsets_lengths_exact is False
     assert any("token_start not contiguous (first bad document 1)" in p for p in result.problems)
 
 
@@ -222,7 +223,7 @@ def test_duplicate_doc_keys_across_shards(corpus):
     index = np.array(_shard(corpus).index)
     index["doc_key"][0] = other["doc_key"][0]
     _rewrite_shard(corpus, index=index)
-    assert _facts(corpus).report["global_doc_keys_unique"] is False
+    assert _facts(corpus).report.global_doc_keys_unique is False
 
 
 def test_out_of_range_token_id(corpus):
@@ -232,8 +233,8 @@ def test_out_of_range_token_id(corpus):
     tokens[int(seg["start"] + seg["header_len"])] = 40000
     _rewrite_shard(corpus, tokens=tokens)
     result = _facts(corpus)
-    assert result.report["token_id_range_verified"] is False
-    assert result.report["max_token_id"] == 40000
+    assert result.report.token_id_range_verified is False
+    assert result.report.max_token_id == 40000
 
 
 def test_pristine_copy_has_no_problems(corpus):

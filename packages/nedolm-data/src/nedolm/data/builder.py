@@ -126,8 +126,8 @@ def build_corpus(
         sources=sources,
         shards=len(digests),
         validation_shard_ids=validation_ids,
-        documents=int(result.report["documents"]),
-        tokens=int(result.report["tokens_including_eos"]),
+        documents=result.report.documents,
+        tokens=result.report.tokens_including_eos,
         identical_rebuild=identical,
     )
 

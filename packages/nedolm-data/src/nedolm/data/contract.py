@@ -1,4 +1,10 @@
-"""The four contract files of a corpus: their content, writing them, and the trainer's gate.
+"""The four contract files of a corpus: their typed documents, writing them, and the claims.
+
+Each file is a ``msgspec.Struct`` here (SPECIAL_TOKENS.json is ``format.SpecialTokens``): the
+builder writes these structs, the verifier recomputes them, and the trainer's gate decodes them.
+The claims a document makes about itself and the shard files (schema, status, policies,
+manifest entries, registries) are checked by the ``*_problems`` functions below and nowhere
+else: the gate raises the first one, ``verify.check_corpus`` reports them all.
 
 ``validate_dataset_contract`` is what the trainer runs (on rank 0) before touching a corpus. It
 keeps the seed's semantics: every schema string, status and ``*_verified`` key must be as the
@@ -12,23 +18,22 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from nedolm.data.atomic import atomic_write_bytes
-from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE
+from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE, SpecialTokens
 from nedolm.data.hashing import file_sha256, hash_files
 from nedolm.data.packing import PackingCounts
-from nedolm.data.records import (
+from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS
+from nedolm.data.schema import (
     CONTINUATION_POLICY,
-    MESSAGE_END_TOKEN,
-    MESSAGE_START_TOKEN,
     PACKING_AUDIT_SCHEMA,
     PACKING_POLICY,
-    ROLE_HEADERS,
     SHARD_MANIFEST_SCHEMA,
     TARGET_POLICY,
+    VERIFY_SCHEMA,
 )
 
 VERIFY_REPORT_FILE = "FINAL_BINARY_VERIFY_REPORT.json"
@@ -36,7 +41,6 @@ PACKING_AUDIT_FILE = "PACKING_POLICY_ADAPTIVE_AUDIT.json"
 SHARD_MANIFEST_FILE = "SHARD_MANIFEST.json"
 CONTRACT_FILES = (VERIFY_REPORT_FILE, SPECIAL_TOKENS_FILE, PACKING_AUDIT_FILE, SHARD_MANIFEST_FILE)
 
-VERIFY_SCHEMA = "nedolm_sft_final_binary_verify_v1"
 REQUIRED_TRUE = (
     "global_doc_keys_unique",
     "content_tokens_exact_vs_source",
@@ -54,71 +58,137 @@ class DatasetContractError(RuntimeError):
     """A corpus the trainer must not use; the message says which file and what."""
 
 
+class ManifestEntry(msgspec.Struct, frozen=True):
+    """One shard file as SHARD_MANIFEST.json lists it (``path`` relative to DATA_DIR)."""
+
+    path: str
+    sha256: str
+    size: int
+
+
+class ShardManifest(msgspec.Struct, frozen=True):
+    """SHARD_MANIFEST.json: every shard file's size and sha256, plus the build's provenance."""
+
+    schema: str
+    status: str
+    algorithm: str
+    file_count: int
+    files: list[ManifestEntry]
+    aggregate_sha256: str
+    shard_count: int
+    validation_shard_ids: list[int]
+    build: dict[str, Any]  # sources, content_sha256 per shard, tokenizer_sha256
+
+
+class PackingAudit(PackingCounts, frozen=True, kw_only=True):
+    """PACKING_POLICY_ADAPTIVE_AUDIT.json: the summed plan counts at the corpus's seq_len."""
+
+    schema: str
+    status: str
+    seq_len: int
+    read_span_tokens: int
+    packing_policy: str
+    target_policy: str
+    continuation_policy: str
+    valid_context_ratio: float
+    assistant_target_ratio: float
+    per_shard: list[dict[str, int]]  # shard_id + that shard's counts (only shard_id: unplanned)
+
+
+class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
+    """FINAL_BINARY_VERIFY_REPORT.json: what the verifier recomputed, one flag per check."""
+
+    schema: str
+    status: str
+    shards: int
+    documents: int
+    messages: int
+    messages_by_role: dict[str, int]
+    trainable_messages: int
+    tokens_including_eos: int
+    max_token_id: int
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+    message_start_id: int
+    message_end_id: int
+    special_tokens_sha256: str
+    content_sha256: list[str]
+    global_doc_keys_unique: bool
+    content_tokens_exact_vs_source: bool
+    offsets_lengths_exact: bool
+    turkish_user_header_verified: bool
+    assistant_only_trainable_contract_verified: bool
+    header_schema_verified: bool
+    structural_control_counts_verified: bool
+    token_id_range_verified: bool
+    packing_plan_verified: bool
+
+
 def dump_json(obj: Any) -> bytes:
     """Deterministic JSON (sorted keys, fixed indent): same content, same bytes."""
-    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+    builtins = msgspec.to_builtins(obj)
+    return (json.dumps(builtins, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Deterministic JSON written atomically."""
-    atomic_write_bytes(path, dump_json(obj))
-
-
-def aggregate_sha256(entries: list[dict[str, Any]]) -> str:
+def aggregate_sha256(entries: list[ManifestEntry] | list[dict[str, Any]]) -> str:
     """sha256 of the canonical JSON of the manifest entries (the seed's definition)."""
-    canonical = json.dumps(entries, sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(msgspec.to_builtins(entries), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def manifest_document(
-    files: list[dict[str, Any]], validation_ids: list[int], build: dict[str, Any]
-) -> dict[str, Any]:
-    """SHARD_MANIFEST.json: every shard file's size and sha256, plus the build's provenance."""
-    return {
-        "schema": SHARD_MANIFEST_SCHEMA,
-        "status": "PASS",
-        "algorithm": "sha256",
-        "file_count": len(files),
-        "files": files,
-        "aggregate_sha256": aggregate_sha256(files),
-        "shard_count": len(files) // 3,
-        "validation_shard_ids": validation_ids,
-        "build": build,
-    }
+    files: list[ManifestEntry], validation_ids: list[int], build: dict[str, Any]
+) -> ShardManifest:
+    """The manifest of ``files`` (the verifier's hashes), with the build's provenance."""
+    return ShardManifest(
+        schema=SHARD_MANIFEST_SCHEMA,
+        status="PASS",
+        algorithm="sha256",
+        file_count=len(files),
+        files=list(files),
+        aggregate_sha256=aggregate_sha256(files),
+        shard_count=len(files) // 3,
+        validation_shard_ids=list(validation_ids),
+        build=build,
+    )
 
 
 def packing_audit_document(
     seq_len: int, shard_counts: list[PackingCounts | None], passed: bool
-) -> dict[str, Any]:
-    """PACKING_POLICY_ADAPTIVE_AUDIT.json from each shard's plan counts (None: not planned)."""
+) -> PackingAudit:
+    """The packing audit from each shard's plan counts (None: the shard could not be planned)."""
     total = sum((c for c in shard_counts if c is not None), PackingCounts())
     capacity = total.windows * (seq_len + 1)
-    return {
-        "schema": PACKING_AUDIT_SCHEMA,
-        "status": "PASS" if passed and None not in shard_counts else "FAIL",
-        "seq_len": seq_len,
-        "read_span_tokens": seq_len + 1,
-        "packing_policy": PACKING_POLICY,
-        "target_policy": TARGET_POLICY,
-        "continuation_policy": CONTINUATION_POLICY,
-        **msgspec.to_builtins(total),
-        "valid_context_ratio": total.valid_context_tokens / capacity if capacity else 0.0,
-        "assistant_target_ratio": total.assistant_target_tokens / capacity if capacity else 0.0,
-        "per_shard": [
-            {"shard_id": i, **(msgspec.to_builtins(c) if c is not None else {})}
+    return PackingAudit(
+        schema=PACKING_AUDIT_SCHEMA,
+        status="PASS" if passed and None not in shard_counts else "FAIL",
+        seq_len=seq_len,
+        read_span_tokens=seq_len + 1,
+        packing_policy=PACKING_POLICY,
+        target_policy=TARGET_POLICY,
+        continuation_policy=CONTINUATION_POLICY,
+        **msgspec.structs.asdict(total),
+        valid_context_ratio=total.valid_context_tokens / capacity if capacity else 0.0,
+        assistant_target_ratio=total.assistant_target_tokens / capacity if capacity else 0.0,
+        per_shard=[
+            {"shard_id": i, **(msgspec.structs.asdict(c) if c is not None else {})}
             for i, c in enumerate(shard_counts)
         ],
-    }
+    )
 
 
 def write_contract(
-    data_dir: Path, report: dict[str, Any], audit: dict[str, Any], manifest: dict[str, Any]
+    data_dir: Path, report: VerifyReport, audit: PackingAudit, manifest: ShardManifest
 ) -> None:
     """Write the verify report, the audit and the manifest (SPECIAL_TOKENS.json is an input)."""
     data_dir = Path(data_dir)
-    write_json(data_dir / VERIFY_REPORT_FILE, report)
-    write_json(data_dir / PACKING_AUDIT_FILE, audit)
-    write_json(data_dir / SHARD_MANIFEST_FILE, manifest)
+    for name, document in (
+        (VERIFY_REPORT_FILE, report),
+        (PACKING_AUDIT_FILE, audit),
+        (SHARD_MANIFEST_FILE, manifest),
+    ):
+        atomic_write_bytes(data_dir / name, dump_json(document))
 
 
 def read_contract(data_dir: Path) -> dict[str, dict[str, Any]]:
@@ -139,90 +209,192 @@ def read_contract(data_dir: Path) -> dict[str, dict[str, Any]]:
     return docs
 
 
-def _int(doc: dict[str, Any], key: str, default: int = -1) -> int:
+_Document = TypeVar("_Document", bound=msgspec.Struct)
+
+
+def typed(path: Path, doc: dict[str, Any], kind: type[_Document]) -> _Document:
+    """``doc`` (parsed from ``path``) as its contract struct; a missing or mistyped key is named."""
     try:
-        return int(doc.get(key, default))
-    except (TypeError, ValueError):
-        return default
+        return msgspec.convert(doc, kind)
+    except msgspec.ValidationError as exc:
+        raise DatasetContractError(f"{path}: {exc}") from exc
+
+
+def audit_problems(audit: PackingAudit, seq_len: int) -> list[str]:
+    """The audit's claims: PASS, this schema, this ``seq_len`` and the policies, no hard cut."""
+    checks = [
+        (audit.status == "PASS", "the adaptive packing audit is not PASS"),
+        (
+            audit.schema == PACKING_AUDIT_SCHEMA,
+            f"unexpected adaptive packing schema: {audit.schema}",
+        ),
+        (
+            audit.seq_len == seq_len,
+            f"audited for seq_len={audit.seq_len} but training uses seq_len={seq_len}",
+        ),
+        (audit.read_span_tokens == seq_len + 1, "the read span is not seq_len + 1"),
+        (
+            audit.packing_policy == PACKING_POLICY,
+            f"unexpected packing policy {audit.packing_policy!r}",
+        ),
+        (
+            audit.target_policy == TARGET_POLICY,
+            f"not the exact-once target policy: {audit.target_policy!r}",
+        ),
+        (
+            audit.continuation_policy == CONTINUATION_POLICY,
+            f"unexpected continuation policy {audit.continuation_policy!r}",
+        ),
+        (audit.hard_continuations == 0, "the plan contains unsafe hard continuations"),
+    ]
+    return [why for ok, why in checks if not ok]
+
+
+def manifest_problems(manifest: ShardManifest) -> list[str]:
+    """The manifest's claims about itself: PASS sha256, schema, counts, digest, validation ids."""
+    files = manifest.files
+    checks = [
+        (
+            manifest.status == "PASS" and manifest.algorithm == "sha256",
+            "not a PASS sha256 manifest",
+        ),
+        (
+            manifest.schema == SHARD_MANIFEST_SCHEMA,
+            f"unexpected shard manifest schema: {manifest.schema}",
+        ),
+        (bool(files), "the manifest lists no files"),
+        (
+            manifest.file_count == len(files),
+            f"file_count {manifest.file_count} differs from the {len(files)} listed files",
+        ),
+        (
+            manifest.aggregate_sha256 == aggregate_sha256(files),
+            "aggregate_sha256: the aggregate digest does not match the listed files",
+        ),
+        (
+            manifest.shard_count == len(files) // 3,
+            f"shard_count {manifest.shard_count} is not a third of the {len(files)} files",
+        ),
+        (
+            all(0 <= i < manifest.shard_count for i in manifest.validation_shard_ids),
+            f"validation_shard_ids {manifest.validation_shard_ids} are not shard ids "
+            f"below {manifest.shard_count}",
+        ),
+    ]
+    return [why for ok, why in checks if not ok]
+
+
+def listing_problems(listed: list[ManifestEntry], on_disk: list[str]) -> list[str]:
+    """The manifest lists exactly the shard files on disk (paths relative to DATA_DIR)."""
+    paths, disk = {e.path for e in listed}, set(on_disk)
+    return [f"lists {p}, which is not on disk" for p in sorted(paths - disk)] + [
+        f"does not list {p}, which is on disk" for p in sorted(disk - paths)
+    ]
+
+
+def entry_problems(listed: list[ManifestEntry], actual: list[ManifestEntry]) -> list[str]:
+    """Each listed file that is on disk still has the size and sha256 the manifest records."""
+    now = {e.path: e for e in actual}
+    problems = []
+    for want in listed:
+        got = now.get(want.path)
+        if got is not None and want.size != got.size:
+            problems.append(f"size of {want.path} changed after verification")
+        elif got is not None and want.sha256 != got.sha256:
+            problems.append(f"sha256 of {want.path} changed after verification")
+    return problems
+
+
+def report_problems(report: VerifyReport, special: SpecialTokens, vocab_size: int) -> list[str]:
+    """The report's claims the trainer relies on: this schema and vocabulary, the ids of
+    SPECIAL_TOKENS.json, no id outside the vocabulary, and every required check true."""
+    problems = []
+    if report.schema != VERIFY_SCHEMA:
+        problems.append(f"unexpected verify report schema: {report.schema}")
+    if report.vocab_size != vocab_size:
+        problems.append(f"corpus vocab_size={report.vocab_size} but model vocab={vocab_size}")
+    problems += [
+        f"{key}={getattr(report, key)} but {SPECIAL_TOKENS_FILE} says {getattr(special, key)}"
+        for key in ("eos_id", "pad_id", "message_start_id", "message_end_id", "vocab_size")
+        if getattr(report, key) != getattr(special, key)
+    ]
+    if report.max_token_id >= vocab_size:
+        problems.append("the corpus holds a token id outside the model vocabulary")
+    missing = [key for key in REQUIRED_TRUE if getattr(report, key) is not True]
+    if missing:
+        problems.append(f"verifier contract missing PASS fields: {missing}")
+    return problems
+
+
+def control_registry_problem(special: SpecialTokens) -> str | None:
+    """The control tokens are exactly ``<|mesaj_basla|>`` and ``<|mesaj_bitir|>`` at their ids."""
+    controls = {c.id: c.token for c in special.control_tokens}
+    expected = {
+        special.message_start_id: MESSAGE_START_TOKEN,
+        special.message_end_id: MESSAGE_END_TOKEN,
+    }
+    if controls != expected:
+        return f"unexpected control-token registry: {controls}, expected {expected}"
+    return None
+
+
+def role_registry_problem(special: SpecialTokens) -> str | None:
+    """The role registry is the Turkish one of the SPEC."""
+    if special.roles != ROLE_HEADERS:
+        return f"unexpected role registry: {special.roles}, expected {ROLE_HEADERS}"
+    return None
+
+
+def shard_files_on_disk(data_dir: Path) -> list[str]:
+    """Every ``shards/*.{tokens,segments,index}.bin`` path relative to ``data_dir``, sorted."""
+    return sorted(
+        p.relative_to(data_dir).as_posix()
+        for kind in ("tokens", "segments", "index")
+        for p in (data_dir / SHARDS_DIR).glob(f"*.{kind}.bin")
+    )
+
+
+def hash_entries(data_dir: Path, paths: list[Path], workers: int = 8) -> list[ManifestEntry]:
+    """Manifest entries of ``paths`` (hashed in parallel threads)."""
+    return msgspec.convert(hash_files(data_dir, paths, workers), list[ManifestEntry])
 
 
 def validate_dataset_contract(data_dir: Path, vocab_size: int, seq_len: int) -> dict[str, Any]:
     """Refuse a corpus that is not verified PASS for ``seq_len`` and this model vocabulary.
 
     Returns the corpus fingerprint (sha256 over the four contract files) and the per-epoch
-    counts the trainer logs and compares with its own plan.
+    counts the trainer logs, compares with its own plan and stores in its checkpoints.
 
     Raises:
         DatasetContractError: naming the file and the failed requirement.
     """
     data_dir = Path(data_dir)
     docs = read_contract(data_dir)
-    verify = docs[VERIFY_REPORT_FILE]
-    special = docs[SPECIAL_TOKENS_FILE]
-    packing = docs[PACKING_AUDIT_FILE]
-    manifest = docs[SHARD_MANIFEST_FILE]
 
-    def refuse(name: str, why: str) -> DatasetContractError:
-        return DatasetContractError(f"{data_dir / name}: {why}")
+    def refuse(name: str, problems: list[str]) -> None:
+        if problems:
+            raise DatasetContractError(f"{data_dir / name}: {problems[0]}")
 
-    if verify.get("status") != "PASS":
-        raise refuse(VERIFY_REPORT_FILE, "the final binary verifier is not PASS")
-    _check_packing(packing, seq_len, lambda why: refuse(PACKING_AUDIT_FILE, why))
-    entries = _check_manifest(manifest, lambda why: refuse(SHARD_MANIFEST_FILE, why))
+    verify = typed(data_dir / VERIFY_REPORT_FILE, docs[VERIFY_REPORT_FILE], VerifyReport)
+    special = typed(data_dir / SPECIAL_TOKENS_FILE, docs[SPECIAL_TOKENS_FILE], SpecialTokens)
+    audit = typed(data_dir / PACKING_AUDIT_FILE, docs[PACKING_AUDIT_FILE], PackingAudit)
+    manifest = typed(data_dir / SHARD_MANIFEST_FILE, docs[SHARD_MANIFEST_FILE], ShardManifest)
 
-    on_disk = sorted(
-        p.relative_to(data_dir).as_posix()
-        for kind in ("tokens", "segments", "index")
-        for p in (data_dir / SHARDS_DIR).glob(f"*.{kind}.bin")
+    refuse(
+        VERIFY_REPORT_FILE,
+        [] if verify.status == "PASS" else ["the final binary verifier is not PASS"],
     )
-    listed = sorted(str(item.get("path", "")) for item in entries)
-    if listed != on_disk:
-        extra, absent = sorted(set(on_disk) - set(listed)), sorted(set(listed) - set(on_disk))
-        raise refuse(
-            SHARD_MANIFEST_FILE,
-            f"listed shard files differ from those on disk: not listed {extra}, missing {absent}",
-        )
-    actual = hash_files(data_dir, [data_dir / p for p in listed])
-    expected = {str(item["path"]): item for item in entries}
-    for entry in actual:
-        want = expected[entry["path"]]
-        if int(want.get("size", -1)) != entry["size"]:
-            raise refuse(SHARD_MANIFEST_FILE, f"size of {entry['path']} changed after verification")
-        if str(want.get("sha256")) != entry["sha256"]:
-            raise refuse(
-                SHARD_MANIFEST_FILE, f"sha256 of {entry['path']} changed after verification"
-            )
-
-    if _int(verify, "vocab_size") != vocab_size:
-        raise refuse(
-            VERIFY_REPORT_FILE,
-            f"corpus vocab_size={verify.get('vocab_size')} but model vocab={vocab_size}",
-        )
-    for key in ("eos_id", "pad_id", "message_start_id", "message_end_id", "vocab_size"):
-        if _int(verify, key) != _int(special, key, -2):
-            raise refuse(
-                VERIFY_REPORT_FILE,
-                f"{key}={verify.get(key)} but {SPECIAL_TOKENS_FILE} says {special.get(key)}",
-            )
-    if _int(verify, "max_token_id", vocab_size) >= vocab_size:
-        raise refuse(VERIFY_REPORT_FILE, "the corpus holds a token id outside the model vocabulary")
-    missing = [key for key in REQUIRED_TRUE if verify.get(key) is not True]
-    if missing:
-        raise refuse(VERIFY_REPORT_FILE, f"verifier contract missing PASS fields: {missing}")
-
-    controls = {
-        _int(c, "id"): c.get("token")
-        for c in special.get("control_tokens", [])
-        if isinstance(c, dict)
-    }
-    expected_controls = {
-        _int(verify, "message_start_id"): MESSAGE_START_TOKEN,
-        _int(verify, "message_end_id"): MESSAGE_END_TOKEN,
-    }
-    if controls != expected_controls:
-        raise refuse(SPECIAL_TOKENS_FILE, f"unexpected control-token registry: {controls}")
-    if special.get("roles") != ROLE_HEADERS:
-        raise refuse(SPECIAL_TOKENS_FILE, f"unexpected role registry: {special.get('roles')}")
+    refuse(PACKING_AUDIT_FILE, audit_problems(audit, seq_len))
+    refuse(SHARD_MANIFEST_FILE, manifest_problems(manifest))
+    on_disk = shard_files_on_disk(data_dir)
+    refuse(SHARD_MANIFEST_FILE, listing_problems(manifest.files, on_disk))
+    actual = hash_entries(data_dir, [data_dir / p for p in on_disk])
+    refuse(SHARD_MANIFEST_FILE, entry_problems(manifest.files, actual))
+    refuse(VERIFY_REPORT_FILE, report_problems(verify, special, vocab_size))
+    refuse(
+        SPECIAL_TOKENS_FILE,
+        [p for p in (control_registry_problem(special), role_registry_problem(special)) if p],
+    )
 
     contract_bytes = [(data_dir / name).read_bytes() for name in CONTRACT_FILES]
     return {
@@ -231,60 +403,20 @@ def validate_dataset_contract(data_dir: Path, vocab_size: int, seq_len: int) -> 
         "special_tokens_sha256": file_sha256(data_dir / SPECIAL_TOKENS_FILE),
         "packing_policy_sha256": file_sha256(data_dir / PACKING_AUDIT_FILE),
         "shard_manifest_sha256": file_sha256(data_dir / SHARD_MANIFEST_FILE),
-        "shard_manifest_files": len(entries),
-        "validation_shard_ids": list(manifest.get("validation_shard_ids", [])),
-        "training_windows": int(packing["windows"]),
-        "assistant_target_tokens_per_epoch": int(packing["assistant_target_tokens"]),
-        "valid_context_tokens_per_epoch": int(packing["valid_context_tokens"]),
-        "padded_tokens_per_epoch": int(packing["padded_tokens"]),
-        "turn_aligned_continuations": int(packing["turn_aligned_continuations"]),
-        "assistant_aligned_continuations": int(packing["assistant_aligned_continuations"]),
-        "documents": int(verify["documents"]),
-        "messages": int(verify["messages"]),
-        "tokens": int(verify["tokens_including_eos"]),
-        "vocab_size": int(verify["vocab_size"]),
-        "eos_id": int(verify["eos_id"]),
-        "pad_id": int(verify["pad_id"]),
-        "message_start_id": int(verify["message_start_id"]),
-        "message_end_id": int(verify["message_end_id"]),
+        "shard_manifest_files": len(manifest.files),
+        "validation_shard_ids": list(manifest.validation_shard_ids),
+        "training_windows": audit.windows,
+        "assistant_target_tokens_per_epoch": audit.assistant_target_tokens,
+        "valid_context_tokens_per_epoch": audit.valid_context_tokens,
+        "padded_tokens_per_epoch": audit.padded_tokens,
+        "turn_aligned_continuations": audit.turn_aligned_continuations,
+        "assistant_aligned_continuations": audit.assistant_aligned_continuations,
+        "documents": verify.documents,
+        "messages": verify.messages,
+        "tokens": verify.tokens_including_eos,
+        "vocab_size": verify.vocab_size,
+        "eos_id": verify.eos_id,
+        "pad_id": verify.pad_id,
+        "message_start_id": verify.message_start_id,
+        "message_end_id": verify.message_end_id,
     }
-
-
-def _check_packing(packing: dict[str, Any], seq_len: int, refuse: Any) -> None:
-    if packing.get("status") != "PASS":
-        raise refuse("the adaptive packing audit is not PASS")
-    if packing.get("schema") != PACKING_AUDIT_SCHEMA:
-        raise refuse(f"unexpected adaptive packing schema: {packing.get('schema')}")
-    if _int(packing, "seq_len") != seq_len:
-        raise refuse(
-            f"audited for seq_len={packing.get('seq_len')} but training uses seq_len={seq_len}"
-        )
-    if _int(packing, "read_span_tokens") != seq_len + 1:
-        raise refuse("the read span is not seq_len + 1")
-    if packing.get("packing_policy") != PACKING_POLICY:
-        raise refuse(f"unexpected packing policy {packing.get('packing_policy')!r}")
-    if packing.get("target_policy") != TARGET_POLICY:
-        raise refuse(f"not the exact-once target policy: {packing.get('target_policy')!r}")
-    if packing.get("continuation_policy") != CONTINUATION_POLICY:
-        raise refuse(f"unexpected continuation policy {packing.get('continuation_policy')!r}")
-    if _int(packing, "hard_continuations") != 0:
-        raise refuse("the plan contains unsafe hard continuations")
-
-
-def _check_manifest(manifest: dict[str, Any], refuse: Any) -> list[dict[str, Any]]:
-    if manifest.get("status") != "PASS" or manifest.get("algorithm") != "sha256":
-        raise refuse("not a PASS sha256 manifest")
-    if manifest.get("schema") != SHARD_MANIFEST_SCHEMA:
-        raise refuse(f"unexpected shard manifest schema: {manifest.get('schema')}")
-    entries = manifest.get("files")
-    if (
-        not isinstance(entries, list)
-        or not entries
-        or not all(isinstance(e, dict) for e in entries)
-    ):
-        raise refuse("the manifest lists no files")
-    if _int(manifest, "file_count") != len(entries):
-        raise refuse("file_count differs from the number of listed files")
-    if aggregate_sha256(entries) != str(manifest.get("aggregate_sha256", "")):
-        raise refuse("the aggregate digest does not match the listed files")
-    return entries

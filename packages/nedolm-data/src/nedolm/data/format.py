@@ -283,9 +283,6 @@ class SpecialTokens(msgspec.Struct, frozen=True):
     tokenizer: TokenizerInfo
 
 
-SPECIAL_TOKENS_SCHEMA = "nedolm_sft_special_tokens_v1"
-
-
 def read_special_tokens(data_dir: Path) -> SpecialTokens:
     """Parse ``DATA_DIR/SPECIAL_TOKENS.json``; errors name the file and the bad key."""
     path = Path(data_dir) / SPECIAL_TOKENS_FILE

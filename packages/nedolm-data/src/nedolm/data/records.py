@@ -24,12 +24,6 @@ ROLE_NAMES = ("system", "user", "assistant")
 ROLE_HEADERS = {"system": "sistem", "user": "kullanici", "assistant": "asistan"}
 """The role registry of SPECIAL_TOKENS.json: role name -> Turkish header word."""
 
-PACKING_POLICY = "adaptive_document_turn_overlap_v2"
-TARGET_POLICY = "exact_once_non_tool_assistant_targets"
-CONTINUATION_POLICY = "prefer_latest_user_or_system_boundary_else_assistant_message_boundary"
-PACKING_AUDIT_SCHEMA = "nedolm_sft_adaptive_packing_audit_v2"
-SHARD_MANIFEST_SCHEMA = "nedolm_sft_shard_manifest_v1"
-
 SEGMENT_DTYPE = np.dtype(
     [
         ("start", "<u4"),  # document-relative position of the message's <|mesaj_basla|>

@@ -1,5 +1,5 @@
-"""Corpus statistics: the totals the trainer logs and checks, the role audit, and the packing
-quality report of ``nedolm-sft stats`` (adaptive packing against two common baselines).
+"""Corpus statistics: the totals the trainer logs and checks, and the packing quality report
+of ``nedolm-sft stats`` (adaptive packing against two common baselines).
 
 Ratios are over row tokens: a window is one row of ``seq_len + 1`` tokens.
 """
@@ -17,11 +17,6 @@ from nedolm.data.packing import (
     target_ranges,
     targets_before,
 )
-from nedolm.data.records import ROLE_ASSISTANT, ROLE_NAMES
-
-
-class RoleError(ValueError):
-    """A segment record with an unknown role code or a trainable non-assistant message."""
 
 
 def corpus_stats(shards: Sequence[PlannedShard], seq_len: int) -> dict[str, int | float]:
@@ -53,38 +48,6 @@ def corpus_stats(shards: Sequence[PlannedShard], seq_len: int) -> dict[str, int 
         "assistant_aligned_continuations": total.assistant_aligned_continuations,
         "hard_continuations": total.hard_continuations,
     }
-
-
-def validate_roles(shards: Sequence[PlannedShard]) -> dict[str, int]:
-    """Messages per role, plus trainable and context-only assistant messages.
-
-    Raises:
-        RoleError: an unknown role code, or a trainable message that is not an assistant's
-            (names the segments file and the record).
-    """
-    counts = dict.fromkeys(ROLE_NAMES, 0) | {"assistant_trainable": 0, "assistant_context": 0}
-    for s in shards:
-        segments = s.shard.segments
-        roles = segments["role"]
-        unknown = np.flatnonzero(roles >= len(ROLE_NAMES))
-        if len(unknown):
-            raise RoleError(
-                f"{s.shard.segments_path}: record {unknown[0]} has unknown role code "
-                f"{roles[unknown[0]]} (known: {dict(enumerate(ROLE_NAMES))})"
-            )
-        trainable = segments["trainable"] != 0
-        wrong = np.flatnonzero(trainable & (roles != ROLE_ASSISTANT))
-        if len(wrong):
-            raise RoleError(
-                f"{s.shard.segments_path}: record {wrong[0]} is a trainable "
-                f"{ROLE_NAMES[roles[wrong[0]]]} message; only assistant messages are targets"
-            )
-        for code, name in enumerate(ROLE_NAMES):
-            counts[name] += int(np.count_nonzero(roles == code))
-        assistant = roles == ROLE_ASSISTANT
-        counts["assistant_trainable"] += int(np.count_nonzero(assistant & trainable))
-        counts["assistant_context"] += int(np.count_nonzero(assistant & ~trainable))
-    return counts
 
 
 def packing_quality(shards: Sequence[PlannedShard], seq_len: int) -> dict[str, dict[str, float]]:

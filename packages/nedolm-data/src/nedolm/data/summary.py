@@ -16,7 +16,8 @@ import numpy as np
 
 from nedolm.data.contract import SHARD_MANIFEST_FILE
 from nedolm.data.format import discover_shards
-from nedolm.data.records import ROLE_ASSISTANT, ROLE_NAMES
+from nedolm.data.records import ROLE_NAMES
+from nedolm.data.roles import audit_roles, role_totals
 
 
 def length_histogram(lengths: np.ndarray) -> dict[str, int]:
@@ -32,24 +33,24 @@ def corpus_summary(data_dir: Path) -> dict[str, Any]:
     """Documents, messages per role, token counts, length histograms, drop reasons."""
     data_dir = Path(data_dir)
     shards = discover_shards(data_dir)
-    doc_lengths, message_lengths, roles, trainable = [], [], [], []
+    doc_lengths, message_lengths, roles, audits = [], [], [], []
     for shard in shards:
         doc_lengths.append(np.asarray(shard.index["token_len"], np.int64))
         segments = shard.segments
         message_lengths.append(segments["length"].astype(np.int64))
         roles.append(np.asarray(segments["role"]))
-        trainable.append(np.asarray(segments["trainable"]) != 0)
+        audits.append(audit_roles(segments))
     docs = np.concatenate(doc_lengths)
-    lengths, role, train = (np.concatenate(x) for x in (message_lengths, roles, trainable))
-    assistant = role == ROLE_ASSISTANT
+    lengths, role = np.concatenate(message_lengths), np.concatenate(roles)
+    counts = role_totals(audits)
     summary: dict[str, Any] = {
         "shards": len(shards),
         "documents": len(docs),
         "messages": len(lengths),
         "tokens_including_eos": int(docs.sum()),
-        "messages_by_role": {n: int(np.count_nonzero(role == c)) for c, n in enumerate(ROLE_NAMES)},
-        "assistant_trainable_messages": int(np.count_nonzero(assistant & train)),
-        "assistant_context_messages": int(np.count_nonzero(assistant & ~train)),
+        "messages_by_role": {n: counts[n] for n in ROLE_NAMES},
+        "assistant_trainable_messages": counts["assistant_trainable"],
+        "assistant_context_messages": counts["assistant_context"],
         "document_tokens": {
             "mean": float(docs.mean()),
             "max": int(docs.max()),

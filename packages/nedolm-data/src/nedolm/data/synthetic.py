@@ -17,7 +17,6 @@ import numpy as np
 from nedolm.data.format import (
     SHARDS_DIR,
     SPECIAL_TOKENS_FILE,
-    SPECIAL_TOKENS_SCHEMA,
     ControlToken,
     SpecialTokens,
     TokenizerInfo,
@@ -36,6 +35,7 @@ from nedolm.data.records import (
     ROLE_USER,
 )
 from nedolm.data.render import ConversationLayout, message_segments, message_starts
+from nedolm.data.schema import SPECIAL_TOKENS_SCHEMA
 
 MESSAGE_START_ID = 32000
 MESSAGE_END_ID = 32001

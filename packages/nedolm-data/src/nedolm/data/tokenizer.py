@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nedolm.data.format import (
-    SPECIAL_TOKENS_SCHEMA,
     ControlToken,
     SpecialTokens,
     TokenizerInfo,
@@ -27,6 +26,7 @@ from nedolm.data.format import (
 from nedolm.data.hashing import file_sha256
 from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS
 from nedolm.data.render import role_header_text
+from nedolm.data.schema import SPECIAL_TOKENS_SCHEMA
 
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 _PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")

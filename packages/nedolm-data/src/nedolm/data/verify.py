@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from nedolm.data.contract import (
@@ -27,12 +28,20 @@ from nedolm.data.contract import (
     REQUIRED_TRUE,
     SHARD_MANIFEST_FILE,
     VERIFY_REPORT_FILE,
-    VERIFY_SCHEMA,
     DatasetContractError,
-    aggregate_sha256,
-    manifest_document,
+    ManifestEntry,
+    PackingAudit,
+    ShardManifest,
+    VerifyReport,
+    control_registry_problem,
+    entry_problems,
+    hash_entries,
+    listing_problems,
+    manifest_problems,
     packing_audit_document,
     read_contract,
+    role_registry_problem,
+    typed,
 )
 from nedolm.data.format import (
     SPECIAL_TOKENS_FILE,
@@ -43,15 +52,11 @@ from nedolm.data.format import (
     read_array,
     read_special_tokens,
 )
-from nedolm.data.hashing import ContentDigest, file_sha256, hash_files
+from nedolm.data.hashing import ContentDigest, file_sha256
 from nedolm.data.packing import PackingCounts, PackingError, plan_shard
-from nedolm.data.records import (
-    MESSAGE_END_TOKEN,
-    MESSAGE_START_TOKEN,
-    ROLE_ASSISTANT,
-    ROLE_HEADERS,
-    ROLE_NAMES,
-)
+from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS, ROLE_NAMES
+from nedolm.data.roles import RoleAudit, audit_roles, role_totals
+from nedolm.data.schema import VERIFY_SCHEMA
 from nedolm.data.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
 
 
@@ -63,8 +68,7 @@ class ShardFacts:
     messages: int = 0
     tokens: int = 0
     max_token_id: int = -1
-    messages_by_role: list[int] = field(default_factory=lambda: [0] * len(ROLE_NAMES))
-    trainable_messages: int = 0
+    roles: RoleAudit | None = None
     doc_keys: np.ndarray = field(default_factory=lambda: np.empty(0, "<u8"))
     content_sha256: str = ""
     counts: PackingCounts | None = None
@@ -175,20 +179,18 @@ def _check_token_range(
         )
 
 
+_ROLE_RULE_CHECKS = {
+    "unknown_role": "header_schema_verified",
+    "bad_flag": "assistant_only_trainable_contract_verified",
+    "trainable_non_assistant": "assistant_only_trainable_contract_verified",
+}
+"""The verifier check each broken rule of the role audit fails."""
+
+
 def _check_roles_and_targets(name: str, segments: np.ndarray, facts: ShardFacts) -> None:
-    role, trainable = segments["role"], segments["trainable"]
-    if (role >= len(ROLE_NAMES)).any():
-        facts.fail("header_schema_verified", f"{name}: unknown role code {int(role.max())}")
-    facts.messages_by_role = np.bincount(role, minlength=len(ROLE_NAMES))[
-        : len(ROLE_NAMES)
-    ].tolist()
-    facts.trainable_messages = int(np.count_nonzero(trainable))
-    key = "assistant_only_trainable_contract_verified"
-    if (trainable > 1).any():
-        facts.fail(key, f"{name}: trainable flag other than 0/1 in message {_first(trainable > 1)}")
-    wrong = (trainable != 0) & (role != ROLE_ASSISTANT)
-    if wrong.any():
-        facts.fail(key, f"{name}: non-assistant message {_first(wrong)} is trainable")
+    facts.roles = audit_roles(segments)
+    for rule, problem in facts.roles.violations(segments, name).items():
+        facts.fail(_ROLE_RULE_CHECKS[rule], problem)
 
 
 def _check_every_document_has_a_target(
@@ -282,9 +284,9 @@ def _first(mask: np.ndarray) -> int:
 class VerifyResult:
     """The recomputed contract: verify report, packing audit, manifest file entries."""
 
-    report: dict[str, Any]
-    audit: dict[str, Any]
-    files: list[dict[str, Any]]
+    report: VerifyReport | None  # None: the corpus could not even be listed (see problems)
+    audit: PackingAudit | None
+    files: list[ManifestEntry]
     problems: list[str]
     complete: bool = True  # every shard file could be read, so the totals cover the corpus
 
@@ -313,15 +315,10 @@ def verify_corpus(
         specials = read_special_tokens(data_dir)
         shards = discover_shards(data_dir)
     except ShardFormatError as exc:
-        return VerifyResult(
-            report={"schema": VERIFY_SCHEMA, "status": "FAIL"},
-            audit={},
-            files=[],
-            problems=[str(exc)],
-        )
+        return VerifyResult(report=None, audit=None, files=[], problems=[str(exc)])
     binaries = [p for s in shards for p in s.paths]
     with ThreadPoolExecutor(max_workers=1) as hasher:
-        files_future = hasher.submit(hash_files, data_dir, binaries, workers)
+        files_future = hasher.submit(hash_entries, data_dir, binaries, workers)
         per_shard = [check_shard(s, specials, seq_len) for s in shards]
         files = files_future.result()
 
@@ -360,27 +357,26 @@ def verify_corpus(
     for key, messages in sorted(failed.items()):
         problems.extend(f"{key}: {m}" for m in messages)
 
-    report = {
-        "schema": VERIFY_SCHEMA,
-        "status": "PASS" if not failed else "FAIL",
-        "shards": len(shards),
-        "documents": sum(f.documents for f in per_shard),
-        "messages": sum(f.messages for f in per_shard),
-        "messages_by_role": {
-            n: sum(f.messages_by_role[i] for f in per_shard) for i, n in enumerate(ROLE_NAMES)
-        },
-        "trainable_messages": sum(f.trainable_messages for f in per_shard),
-        "tokens_including_eos": sum(f.tokens for f in per_shard),
-        "max_token_id": max(f.max_token_id for f in per_shard),
-        "vocab_size": specials.vocab_size,
-        "eos_id": specials.eos_id,
-        "pad_id": specials.pad_id,
-        "message_start_id": specials.message_start_id,
-        "message_end_id": specials.message_end_id,
-        "special_tokens_sha256": file_sha256(data_dir / SPECIAL_TOKENS_FILE),
-        "content_sha256": recomputed,
+    roles = role_totals([f.roles for f in per_shard if f.roles is not None])
+    report = VerifyReport(
+        schema=VERIFY_SCHEMA,
+        status="PASS" if not failed else "FAIL",
+        shards=len(shards),
+        documents=sum(f.documents for f in per_shard),
+        messages=sum(f.messages for f in per_shard),
+        messages_by_role={n: roles[n] for n in ROLE_NAMES},
+        trainable_messages=sum(f.roles.trainable for f in per_shard if f.roles is not None),
+        tokens_including_eos=sum(f.tokens for f in per_shard),
+        max_token_id=max(f.max_token_id for f in per_shard),
+        vocab_size=specials.vocab_size,
+        eos_id=specials.eos_id,
+        pad_id=specials.pad_id,
+        message_start_id=specials.message_start_id,
+        message_end_id=specials.message_end_id,
+        special_tokens_sha256=file_sha256(data_dir / SPECIAL_TOKENS_FILE),
+        content_sha256=recomputed,
         **{key: key not in failed for key in (*REQUIRED_TRUE, "packing_plan_verified")},
-    }
+    )
     audit = packing_audit_document(seq_len, counts, "packing_plan_verified" not in failed)
     complete = all(f.readable for f in per_shard)
     return VerifyResult(report, audit, files, problems, complete)
@@ -405,24 +401,17 @@ def _check_special_tokens(
 ) -> None:
     """The registry is the SPEC's, and its header ids are what the recorded tokenizer encodes."""
     where = f"{SPECIAL_TOKENS_FILE}:"
-    controls = {c.id: c.token for c in specials.control_tokens}
-    expected_controls = {
-        specials.message_start_id: MESSAGE_START_TOKEN,
-        specials.message_end_id: MESSAGE_END_TOKEN,
-    }
-    if controls != expected_controls:
-        failed.setdefault("structural_control_counts_verified", []).append(
-            f"{where} control tokens {controls} != {expected_controls}"
-        )
+    problem = control_registry_problem(specials)
+    if problem:
+        failed.setdefault("structural_control_counts_verified", []).append(f"{where} {problem}")
     ids = [specials.eos_id, specials.pad_id, specials.message_start_id, specials.message_end_id]
     if len(set(ids)) != len(ids) or specials.vocab_size != max(ids) + 1:
         failed.setdefault("token_id_range_verified", []).append(
             f"{where} eos/pad/control ids {ids} not distinct or not below vocab_size {specials.vocab_size}"
         )
-    if specials.roles != ROLE_HEADERS:
-        failed.setdefault("turkish_user_header_verified", []).append(
-            f"{where} roles {specials.roles} != {ROLE_HEADERS}"
-        )
+    problem = role_registry_problem(specials)
+    if problem:
+        failed.setdefault("turkish_user_header_verified", []).append(f"{where} {problem}")
         return
     copy = data_dir / specials.tokenizer.file
     try:
@@ -454,73 +443,39 @@ def check_corpus(data_dir: Path, *, workers: int = 8) -> list[str]:
     data_dir = Path(data_dir)
     try:
         docs = read_contract(data_dir)
+        manifest = typed(data_dir / SHARD_MANIFEST_FILE, docs[SHARD_MANIFEST_FILE], ShardManifest)
     except DatasetContractError as exc:
         return [str(exc)]
-    manifest, audit = docs[SHARD_MANIFEST_FILE], docs[PACKING_AUDIT_FILE]
+    audit = docs[PACKING_AUDIT_FILE]
     seq_len = audit.get("seq_len")
     if not isinstance(seq_len, int) or seq_len < 1:
         return [f"{PACKING_AUDIT_FILE}: seq_len {seq_len!r} is not a positive integer"]
-    build = manifest.get("build") if isinstance(manifest.get("build"), dict) else {}
-    digests = build.get("content_sha256")
+    digests = manifest.build.get("content_sha256")
     result = verify_corpus(
         data_dir, seq_len, digests if isinstance(digests, list) else None, workers=workers
     )
     problems = list(result.problems)
-    if not result.files:
+    if result.report is None or result.audit is None:
         return problems
-    if (
-        docs[VERIFY_REPORT_FILE].get("special_tokens_sha256")
-        != result.report["special_tokens_sha256"]
-    ):
+    if docs[VERIFY_REPORT_FILE].get("special_tokens_sha256") != result.report.special_tokens_sha256:
         problems.append(f"{SPECIAL_TOKENS_FILE}: changed since the corpus was verified")
     if result.complete:  # totals over a partly unreadable corpus would only add noise
         problems += _diff(VERIFY_REPORT_FILE, docs[VERIFY_REPORT_FILE], result.report)
         problems += _diff(PACKING_AUDIT_FILE, audit, result.audit)
-    problems += _diff_manifest(manifest, result.files)
-    return problems
-
-
-def _diff(file_name: str, on_disk: dict[str, Any], recomputed: dict[str, Any]) -> list[str]:
-    return [
-        f"{file_name}: {key!r} is {on_disk.get(key, '<missing>')!r}, recomputed {recomputed.get(key, '<missing>')!r}"
-        for key in sorted(set(on_disk) | set(recomputed))
-        if on_disk.get(key) != recomputed.get(key)
-    ]
-
-
-def _diff_manifest(manifest: dict[str, Any], files: list[dict[str, Any]]) -> list[str]:
-    problems = []
-    listed = {e.get("path"): e for e in manifest.get("files", []) if isinstance(e, dict)}
-    actual = {e["path"]: e for e in files}
-    for path in sorted(set(listed) | set(actual), key=str):
-        if path not in actual:
-            problems.append(f"{SHARD_MANIFEST_FILE}: lists {path}, which is not on disk")
-        elif path not in listed:
-            problems.append(f"{SHARD_MANIFEST_FILE}: does not list {path}")
-        elif listed[path] != actual[path]:
-            problems.append(
-                f"{path}: size/sha256 differ from {SHARD_MANIFEST_FILE} (the file changed)"
-            )
-    build = manifest.get("build")
-    ids = manifest.get("validation_shard_ids")
-    expected = manifest_document(
-        files, ids if isinstance(ids, list) else [], build if isinstance(build, dict) else {}
+    on_disk = [entry.path for entry in result.files]
+    claims = (
+        manifest_problems(manifest)
+        + listing_problems(manifest.files, on_disk)
+        + entry_problems(manifest.files, result.files)
     )
-    for key in ("schema", "status", "algorithm", "file_count", "shard_count"):
-        if manifest.get(key) != expected[key]:
-            problems.append(
-                f"{SHARD_MANIFEST_FILE}: {key!r} is {manifest.get(key)!r}, expected {expected[key]!r}"
-            )
-    entries = manifest.get("files")
-    if not isinstance(entries, list) or manifest.get("aggregate_sha256") != aggregate_sha256(
-        entries
-    ):
-        problems.append(f"{SHARD_MANIFEST_FILE}: aggregate_sha256 does not match its file entries")
-    shard_count = len(files) // 3
-    if not isinstance(ids, list) or any(
-        not isinstance(i, int) or not 0 <= i < shard_count for i in ids
-    ):
-        problems.append(
-            f"{SHARD_MANIFEST_FILE}: validation_shard_ids {ids!r} are not shard ids below {shard_count}"
-        )
-    return problems
+    return problems + [f"{SHARD_MANIFEST_FILE}: {claim}" for claim in claims]
+
+
+def _diff(file_name: str, on_disk: dict[str, Any], recomputed: msgspec.Struct) -> list[str]:
+    """Every key whose value on disk differs from the recomputed document's."""
+    expected = msgspec.to_builtins(recomputed)
+    return [
+        f"{file_name}: {key!r} is {on_disk.get(key, '<missing>')!r}, recomputed {expected.get(key, '<missing>')!r}"
+        for key in sorted(set(on_disk) | set(expected))
+        if on_disk.get(key) != expected.get(key)
+    ]

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nedolm.data.format import Shard
-from nedolm.data.records import CONTINUATION_POLICY, PACKING_POLICY, TARGET_POLICY
+from nedolm.data.schema import CONTINUATION_POLICY, PACKING_POLICY, TARGET_POLICY
 
 TRAINING_CONTRACT_SCHEMA = "nedolm_sft_training_contract_v2"
 

@@ -26,7 +26,8 @@ from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.contract import validate_dataset_contract
 from nedolm.data.loader import build_sft_loader
 from nedolm.data.packing import discover_sft_shards
-from nedolm.data.stats import corpus_stats, validate_roles
+from nedolm.data.roles import validate_roles
+from nedolm.data.stats import corpus_stats
 from nedolm.dist import (
     DistInfo,
     all_rank_call,
