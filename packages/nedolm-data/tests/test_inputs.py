@@ -82,7 +82,8 @@ def write_zst(path: Path, records: list[dict[str, Any]]) -> Path:
 
 
 def write_parquet(path: Path, records: list[dict[str, Any]], row_group_size: int = 3) -> Path:
-    pq.write_table(pa.Table.from_pylist(records), path, row_group_size=row_group_size)
+    table = pa.Table.from_struct_array(pa.array(records))  # every key of every row
+    pq.write_table(table, path, row_group_size=row_group_size)
     return path
 
 

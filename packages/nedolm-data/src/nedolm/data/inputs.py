@@ -215,7 +215,7 @@ def _parquet_records(
 ) -> Iterator[tuple[int, bytes | Rejected]]:
     pq = _pyarrow_module("pyarrow.parquet", "parquet", path)
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(path, pre_buffer=False)  # pre-buffering reads ahead, slower
     except Exception as exc:  # pyarrow raises ArrowInvalid / OSError subclasses
         raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
     field = _message_column(path, parquet.schema_arrow.names, field)
@@ -294,8 +294,31 @@ def _message_column(path: Path, columns: list[str], field: str | None) -> str | 
 def _batch_records(
     batch: Any, name: str, first_row: int, field: str | None
 ) -> Iterator[tuple[int, bytes | Rejected]]:
-    for row, record in enumerate(batch.to_pylist(), start=first_row + 1):
-        yield row, _canonical(_without_nulls(record), name, row, field)
+    names = batch.schema.names
+    columns = []
+    for column in batch.columns:
+        values = column.to_pylist()
+        columns.append([_without_nulls(v) for v in values] if _nested_nulls(column) else values)
+    for row, values in enumerate(zip(*columns, strict=True), start=first_row + 1):
+        record = {k: v for k, v in zip(names, values, strict=True) if v is not None}
+        yield row, _canonical(record, name, row, field)
+
+
+def _nested_nulls(array: Any) -> bool:
+    """Whether an Arrow array has nulls below its top level (most columns have none, and
+    walking every value of those in Python would cost as much as the rest of the reading)."""
+    kind = array.type
+    if kind.num_fields == 0:
+        return False
+    if hasattr(array, "flatten") and not hasattr(array, "field"):  # list, large list
+        child = array.flatten()
+        return child.null_count > 0 or _nested_nulls(child)
+    if hasattr(array, "field"):  # struct
+        return any(
+            array.field(i).null_count > 0 or _nested_nulls(array.field(i))
+            for i in range(kind.num_fields)
+        )
+    return True  # maps, unions, ...: walk them
 
 
 def _without_nulls(value: Any) -> Any:
