@@ -70,6 +70,9 @@ BASE_SETTINGS: dict[str, dict[str, Any]] = {
     "validation": {"shard_ids": [VAL_SHARD], "interval": 10, "batches": 2},
 }
 PROCESS_TIMEOUT_S = 180
+REPO = Path(__file__).resolve().parents[3]
+LEGACY_COMMIT = "99e6e39e5b0d371be0dc784b46f94ae1dae776fa"
+"""The last commit whose trainer wrote checkpoint format version 1 (no ``format_version``)."""
 
 
 @pytest.fixture(autouse=True)
@@ -273,6 +276,31 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: 
         train={"ckpt_interval": EPOCH_STEPS, "keep_last": 5},
     )
     Job(config).wait_ok()
+    return root / "run"
+
+
+@pytest.fixture(scope="session")
+def legacy_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: Path) -> Path:
+    """The reference recipe trained by the packages as of ``LEGACY_COMMIT`` (from git), so its
+    checkpoints are format version 1 exactly as the old code wrote them."""
+    root = tmp_path_factory.mktemp("legacy")
+    sources = [f"packages/{name}/src" for name in ("nedolm-data", "nedolm-dist", "nedolm-model")]
+    sources.append("packages/nedolm-train/src")
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", LEGACY_COMMIT, *sources],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    config = write_config(
+        root / "legacy.yaml",
+        corpus,
+        base_run,
+        root / "run",
+        train={"ckpt_interval": EPOCH_STEPS, "keep_last": 5},
+    )
+    pythonpath = os.pathsep.join(str(root / source) for source in sources)
+    Job(config, env={"PYTHONPATH": pythonpath}).wait_ok()
     return root / "run"
 
 
