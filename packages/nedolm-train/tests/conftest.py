@@ -264,10 +264,10 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), f"{key} differs"
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: Path) -> Path:
-    """The uninterrupted run every resume is compared with (checkpoint at the epoch end)."""
-    root = tmp_path_factory.mktemp("reference")
+def _reference_recipe_run(
+    root: Path, corpus: Path, base_run: Path, env: dict[str, str] | None = None
+) -> Path:
+    """Train the reference recipe uninterrupted (checkpoint at the epoch end) in ``root``."""
     config = write_config(
         root / "ref.yaml",
         corpus,
@@ -275,8 +275,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: 
         root / "run",
         train={"ckpt_interval": EPOCH_STEPS, "keep_last": 5},
     )
-    Job(config).wait_ok()
+    Job(config, env=env).wait_ok()
     return root / "run"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: Path) -> Path:
+    """The uninterrupted run every resume is compared with."""
+    return _reference_recipe_run(tmp_path_factory.mktemp("reference"), corpus, base_run)
 
 
 @pytest.fixture(scope="session")
@@ -292,16 +298,8 @@ def legacy_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run:
         capture_output=True,
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
-    config = write_config(
-        root / "legacy.yaml",
-        corpus,
-        base_run,
-        root / "run",
-        train={"ckpt_interval": EPOCH_STEPS, "keep_last": 5},
-    )
     pythonpath = os.pathsep.join(str(root / source) for source in sources)
-    Job(config, env={"PYTHONPATH": pythonpath}).wait_ok()
-    return root / "run"
+    return _reference_recipe_run(root, corpus, base_run, env={"PYTHONPATH": pythonpath})
 
 
 def copy_checkpoint(run_dir: Path, step: int, into: Path) -> None:

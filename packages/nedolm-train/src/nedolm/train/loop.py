@@ -28,7 +28,7 @@ from nedolm.train.metrics import MetricsWriter, format_eta
 from nedolm.train.optim import lr_at_step, set_lr
 from nedolm.train.setup import Run
 from nedolm.train.signals import StopRequest
-from nedolm.train.step import train_step
+from nedolm.train.step import StepResult, train_step
 from nedolm.train.validation import run_validation
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,13 @@ class Trainer:
         run.model.train()
         self._reset_log_window()
         for step in range(progress.step, run.max_steps):
-            lr = self.train_step(step)
-            done = progress.step
+            lr = lr_at_step(step, run.cfg.optim, run.max_steps)
+            set_lr(self.state.optimizer, lr)
+            result = train_step(
+                run.model, self.params, self.state.optimizer, run.train_batches, run.settings, step
+            )
+            done = step + 1
+            self._account(done, result)
             if done % run.cfg.train.log_interval == 0 or done in (
                 self.first_step + 1,
                 run.max_steps,
@@ -82,22 +87,16 @@ class Trainer:
             (time.monotonic() - self.job_start) / 3600,
         )
 
-    def train_step(self, step: int) -> float:
-        """One optimizer step (0-based ``step``) and its accounting; returns its learning rate."""
-        run, progress = self.run, self.state.progress
-        lr = lr_at_step(step, run.cfg.optim, run.max_steps)
-        set_lr(self.state.optimizer, lr)
-        result = train_step(
-            run.model, self.params, self.state.optimizer, run.train_batches, run.settings, step
-        )
-        self.grad_norm = result.grad_norm
-        progress.step = step + 1
+    def _account(self, done: int, result: StepResult) -> None:
+        """Progress and the log window after optimizer step ``done`` (1-based)."""
+        progress = self.state.progress
+        progress.step = done
         progress.context_tokens_seen += self.tokens_per_step
         progress.assistant_tokens_seen += result.global_targets
+        self.grad_norm = result.grad_norm
         self.window_loss += result.loss_sum
         self.window_targets += result.global_targets
         self.window_steps += 1
-        return lr
 
     def log_step(self, lr: float) -> None:
         """Reduce the loss of the steps since the last log (the only per-log host sync)."""
