@@ -6,10 +6,11 @@ Builds the embedded sample corpus (apps/sft default: real Turkish chat + its tok
 random ``tiny`` base run, and a real run (``prepare_run``: contract check, plan, loaders), then
 times every step twice over:
 
-* loop step: ``TrainLoop.run_step`` (what ``train()`` runs per step): the loader fetch,
-  micro-batch assembly (labels, packed layout), the target-count agreement, the LR schedule,
-  metrics every ``log_interval`` and the control agreement, plus the compute below;
-* compute: the ``train_step`` call inside that same step (forward, backward, clipping, AdamW).
+* loop step: the time from one ``train_step`` call of ``Trainer.train()`` to the next: the
+  loader fetch, the LR schedule, metrics every ``log_interval`` and the control agreement,
+  plus the compute;
+* compute: that ``train_step`` on its already fetched loader batches: micro-batch assembly
+  (labels, packed layout), the target-count agreement, forward, backward, clipping, AdamW.
 
 Overhead = median over steps of (loop step - its compute) / median loop step; measuring both
 inside the same step keeps the machine's load out of the difference. Target: <= 3%.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import os
 import statistics
 import tempfile
@@ -37,11 +39,11 @@ from nedolm.dist import get_info
 from nedolm.train import loop as loop_module
 from nedolm.train.base import init_base
 from nedolm.train.config import load_sft_config
-from nedolm.train.loop import TrainLoop
+from nedolm.train.loop import Trainer
 from nedolm.train.metrics import MetricsWriter, setup_logging
 from nedolm.train.setup import prepare_run
 from nedolm.train.signals import StopRequest
-from nedolm.train.step import train_step
+from nedolm.train.step import StepResult, StepSettings, train_step
 
 DEFAULT = Path(__file__).resolve().parents[1] / "apps" / "sft" / "src" / "nedolm_sft" / "default"
 TARGET = 0.03
@@ -99,24 +101,32 @@ def main() -> None:
         cfg = load_sft_config(_prepare(Path(tmp), args))
         cfg.run_dir.mkdir()
         info = get_info()
-        run = prepare_run(cfg, info, allow_compile=False)
+        # One step more than timed: the last one ends with the final checkpoint.
+        run = prepare_run(cfg, info, smoke_steps=args.warmup + args.steps + 1, allow_compile=False)
         setup_logging(cfg.run_dir)
-        loop = TrainLoop(run, StopRequest(), MetricsWriter(cfg.run_dir))
+        trainer = Trainer(run, StopRequest(), MetricsWriter(cfg.run_dir))
+        step_starts: list[float] = []
         compute_times: list[float] = []
 
-        def timed_train_step(*args: object, **kwargs: object) -> object:
+        def timed_train_step(
+            model: torch.nn.Module,
+            params: list[torch.Tensor],
+            optimizer: torch.optim.Optimizer,
+            batches: object,
+            settings: StepSettings,
+            step: int,
+        ) -> StepResult:
+            step_starts.append(time.perf_counter())
+            fetched = [next(batches) for _ in range(settings.grad_accum_steps)]
             started = time.perf_counter()
-            result = train_step(*args, **kwargs)
+            result = train_step(model, params, optimizer, iter(fetched), settings, step)
             compute_times.append(time.perf_counter() - started)
             return result
 
         loop_module.train_step = timed_train_step  # time the compute inside the same step
-        loop_times = []
-        for step in range(args.warmup + args.steps):
-            started = time.perf_counter()
-            loop.run_step(step)
-            loop_times.append(time.perf_counter() - started)
-        loop_times, compute_times = loop_times[args.warmup :], compute_times[args.warmup :]
+        trainer.train()
+        loop_times = [b - a for a, b in itertools.pairwise(step_starts)][args.warmup :]
+        compute_times = compute_times[args.warmup : args.warmup + len(loop_times)]
 
     loop_ms = 1e3 * statistics.median(loop_times)
     compute_ms = 1e3 * statistics.median(compute_times)

@@ -94,3 +94,24 @@ def test_resume_state_from_other_settings_is_refused(corpus: Path, tmp_path: Pat
             corpus, SEQ_LEN, 2, world_size=2, shards=shards,
             resume_state={0: [0, row[1], row[2] + 1, *row[3:]]},
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_loader_owns_its_state_dict(corpus: Path, num_workers: int) -> None:
+    """``state_dict`` after k batches is the trainer's view of them; ``load_state_dict`` on a
+    fresh loader continues with batch k, and is refused once a loader has started."""
+    settings = dict(world_size=1, num_workers=num_workers, seed=7)
+    loader, _ = build_sft_loader(corpus, SEQ_LEN, 3, **settings)
+    assert loader.state_dict() == {}
+    stream = iter(loader)
+    first = [next(stream) for _ in range(5)]
+    state = loader.state_dict()
+    assert state == trainer_state(first)
+    expected = [next(stream) for _ in range(3)]
+    resumed, _ = build_sft_loader(corpus, SEQ_LEN, 3, **settings)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    for want, got in zip(expected, islice(resumed, 3), strict=True):
+        assert got["tokens"].equal(want["tokens"]) and got["state"].equal(want["state"])
+    with pytest.raises(RuntimeError, match="before iterating"):
+        resumed.load_state_dict(state)

@@ -70,6 +70,9 @@ BASE_SETTINGS: dict[str, dict[str, Any]] = {
     "validation": {"shard_ids": [VAL_SHARD], "interval": 10, "batches": 2},
 }
 PROCESS_TIMEOUT_S = 180
+REPO = Path(__file__).resolve().parents[3]
+LEGACY_COMMIT = "99e6e39e5b0d371be0dc784b46f94ae1dae776fa"
+"""The last commit whose trainer wrote checkpoint format version 1 (no ``format_version``)."""
 
 
 @pytest.fixture(autouse=True)
@@ -261,10 +264,10 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), f"{key} differs"
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: Path) -> Path:
-    """The uninterrupted run every resume is compared with (checkpoint at the epoch end)."""
-    root = tmp_path_factory.mktemp("reference")
+def _reference_recipe_run(
+    root: Path, corpus: Path, base_run: Path, env: dict[str, str] | None = None
+) -> Path:
+    """Train the reference recipe uninterrupted (checkpoint at the epoch end) in ``root``."""
     config = write_config(
         root / "ref.yaml",
         corpus,
@@ -272,8 +275,31 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: 
         root / "run",
         train={"ckpt_interval": EPOCH_STEPS, "keep_last": 5},
     )
-    Job(config).wait_ok()
+    Job(config, env=env).wait_ok()
     return root / "run"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: Path) -> Path:
+    """The uninterrupted run every resume is compared with."""
+    return _reference_recipe_run(tmp_path_factory.mktemp("reference"), corpus, base_run)
+
+
+@pytest.fixture(scope="session")
+def legacy_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: Path) -> Path:
+    """The reference recipe trained by the packages as of ``LEGACY_COMMIT`` (from git), so its
+    checkpoints are format version 1 exactly as the old code wrote them."""
+    root = tmp_path_factory.mktemp("legacy")
+    sources = [f"packages/{name}/src" for name in ("nedolm-data", "nedolm-dist", "nedolm-model")]
+    sources.append("packages/nedolm-train/src")
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", LEGACY_COMMIT, *sources],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    pythonpath = os.pathsep.join(str(root / source) for source in sources)
+    return _reference_recipe_run(root, corpus, base_run, env={"PYTHONPATH": pythonpath})
 
 
 def copy_checkpoint(run_dir: Path, step: int, into: Path) -> None:

@@ -65,7 +65,7 @@ def test_resume_exactly_at_the_epoch_boundary(
     run_dir = config.with_suffix("")
     harness.copy_checkpoint(reference, harness.EPOCH_STEPS, into=run_dir)
     state = load_checkpoint(latest_checkpoint(run_dir))
-    (cursor,) = state["ranks"][0]["data_state"].values()
+    (cursor,) = state["ranks"][0]["loader"].values()
     assert (cursor[1], cursor[2]) == (1, 0)  # epoch 1, cursor 0: exactly at the boundary
     if num_workers:  # the checkpoint was written with 0 workers: a changed topology is refused
         job = harness.Job(config)

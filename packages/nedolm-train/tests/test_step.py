@@ -17,6 +17,7 @@ from nedolm.model import build_model, preset
 from nedolm.train.step import (
     LossOptions,
     StepError,
+    StepSettings,
     fetch_step_batches,
     to_micro_batch,
     train_step,
@@ -25,6 +26,10 @@ from nedolm.train.validation import run_validation
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 FUSED = LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=False)
+
+
+def _settings(eos_id: int, *, grad_clip: float = 1.0, loss: LossOptions = FUSED) -> StepSettings:
+    return StepSettings(CPU, eos_id, grad_accum_steps=2, grad_clip=grad_clip, loss=loss)
 
 
 @pytest.fixture(scope="module")
@@ -94,20 +99,17 @@ def test_step_gradient_is_the_exact_global_target_mean(model, batches, corpus, h
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     options = LossOptions(assistant_only_head=head, loss_fp32_logits=True, use_amp=False)
     params = list(model.parameters())
-    loss_sum, _ = train_step(
+    result = train_step(
         model,
         params,
         torch.optim.SGD(params, lr=1.0),
-        micro,
-        global_targets=targets,
-        world_size=1,
-        grad_clip=1e9,
-        options=options,
+        iter(batches[:2]),
+        _settings(eos, grad_clip=1e9, loss=options),
         step=0,
     )
     ref_sum, ref_targets = _reference_loss(reference, batches[:2], eos)
-    assert ref_targets == targets
-    torch.testing.assert_close(loss_sum, ref_sum.detach(), rtol=1e-5, atol=1e-4)
+    assert ref_targets == targets == result.global_targets
+    torch.testing.assert_close(result.loss_sum, ref_sum.detach(), rtol=1e-5, atol=1e-4)
     (ref_sum / ref_targets).backward()
     for name, param in reference.named_parameters():
         step = before[name] - dict(model.named_parameters())[name].detach()
@@ -116,21 +118,12 @@ def test_step_gradient_is_the_exact_global_target_mean(model, batches, corpus, h
 
 def test_non_finite_gradient_stops_the_step(model, batches, corpus) -> None:
     eos = read_special_tokens(corpus).eos_id
-    micro = [to_micro_batch(batches[0], torch.device("cpu"), eos)]
     with torch.no_grad():
         model.norm.weight.fill_(float("inf"))
     params = list(model.parameters())
     with pytest.raises(StepError, match="non-finite gradient norm at optimizer step 7"):
         train_step(
-            model,
-            params,
-            torch.optim.SGD(params, lr=1.0),
-            micro,
-            global_targets=micro[0].targets,
-            world_size=1,
-            grad_clip=1.0,
-            options=FUSED,
-            step=7,
+            model, params, torch.optim.SGD(params, lr=1.0), iter(batches), _settings(eos), step=7
         )
 
 
@@ -139,26 +132,25 @@ def _without_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**batch, "trainable_mask": mask, "trainable_tokens": mask.sum(1)}
 
 
-def test_fetch_updates_cursors_and_counts_targets(batches, corpus) -> None:
+def test_fetch_counts_targets_and_the_loader_owns_the_cursor(corpus, harness) -> None:
     eos = read_special_tokens(corpus).eos_id
-    state: dict[int, list[int]] = {}
-    micro, targets = fetch_step_batches(
-        iter(batches), count=2, info=CPU, step=0, eos_id=eos, data_state=state
-    )
-    assert [mb.targets for mb in micro] == [int(b["trainable_mask"].sum()) for b in batches[:2]]
-    assert targets == sum(int(b["trainable_mask"][:, 1:].sum()) for b in batches[:2])
-    assert state == {0: batches[1]["state"][-1].tolist()}
+    loader, _ = build_sft_loader(corpus, harness.SEQ_LEN, micro_batch_size=2, seed=3)
+    seen = list(itertools.islice(iter(loader), 2))
+    loader, _ = build_sft_loader(corpus, harness.SEQ_LEN, micro_batch_size=2, seed=3)
+    assert loader.state_dict() == {}
+    micro, targets = fetch_step_batches(iter(loader), _settings(eos), step=0)
+    assert [mb.targets for mb in micro] == [int(b["trainable_mask"].sum()) for b in seen]
+    assert targets == sum(int(b["trainable_mask"][:, 1:].sum()) for b in seen)
+    assert loader.state_dict() == {"0": seen[1]["state"][-1].tolist()}
 
 
 def test_zero_target_step_fails_closed(batches, corpus) -> None:
     eos = read_special_tokens(corpus).eos_id
-    state = {0: [1, 2, 3]}
     empty = [_without_targets(b) for b in batches[:2]]
     with pytest.raises(StepError, match="optimizer step 5 has zero assistant targets"):
-        fetch_step_batches(iter(empty), count=2, info=CPU, step=5, eos_id=eos, data_state=state)
-    assert state == {0: [1, 2, 3]}  # a failed fetch does not move the cursor
+        fetch_step_batches(iter(empty), _settings(eos), step=5)
     with pytest.raises(StepError, match="StopIteration"):
-        fetch_step_batches(iter(batches[:1]), count=2, info=CPU, step=5, eos_id=eos, data_state={})
+        fetch_step_batches(iter(batches[:1]), _settings(eos), step=5)
 
 
 def test_validation_is_the_exact_mean_and_refuses_zero_targets(model, batches, corpus) -> None:

@@ -7,7 +7,6 @@ generates a reply: every stage a user runs on their own data, with the same code
 
 from __future__ import annotations
 
-import json
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -21,6 +20,7 @@ from nedolm.data.tokenizer import load_tokenizer
 from nedolm.model import morph_classes_from_vocab
 from nedolm.train.base import init_base
 from nedolm.train.config import load_sft_config
+from nedolm.train.metrics import read_metrics, split_metrics
 from nedolm.train.trainer import run as run_training
 from nedolm_sft.chat_model import load_chat_model
 from nedolm_sft.commands.plot import plot_run
@@ -151,5 +151,5 @@ def demo(out: Path, steps: int) -> None:
 
 
 def _validation_losses(metrics: Path) -> list[float]:
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [r["val_loss"] for r in lines if r.get("kind") == "validation"]
+    _, validation = split_metrics(read_metrics(metrics.parent))
+    return [r["val_loss"] for r in validation]

@@ -2,28 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
-
-def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
-    """Split ``metrics.jsonl`` into training and validation records, naming any bad line."""
-    train: list[dict] = []
-    validation: list[dict] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise click.ClickException(f"{path}:{number}: not a JSON line ({exc.msg})") from exc
-        if record.get("kind") == "validation":
-            validation.append(record)
-        elif "loss" in record:
-            train.append(record)
-    return train, validation
+from nedolm.train.metrics import METRICS_FILE, MetricsError, read_metrics, split_metrics
 
 
 def plot_run(run_dir: Path, out: Path) -> Path:
@@ -33,12 +16,15 @@ def plot_run(run_dir: Path, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
         raise click.ClickException(
             f"{metrics} not found: is {run_dir} a run directory that has logged a step?"
         )
-    train, validation = read_metrics(metrics)
+    try:
+        train, validation = split_metrics(read_metrics(run_dir))
+    except MetricsError as exc:
+        raise click.ClickException(str(exc)) from exc
     if not train and not validation:
         raise click.ClickException(f"{metrics} holds no training or validation records yet")
 

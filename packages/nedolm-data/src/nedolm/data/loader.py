@@ -14,10 +14,12 @@ Every row of a batch carries a state row ``[global worker id, epoch, cursor, bat
 fingerprint, seq_len, world_size, num_workers, micro_batch_size, seed]`` describing the stream
 just after that row. The worker id is ``rank * num_workers + batch % num_workers``: the worker
 that builds the batch in an uninterrupted run, so states are identical after a resume too (a
-resumed loader's worker 0 may build another residue class). The trainer keeps the last row per
-worker and passes them back as ``resume_state``: the largest ``batch`` in it is the last batch
-consumed, so the resumed loader starts at the next one and yields exactly the batches the
-uninterrupted run would have.
+resumed loader's worker 0 may build another residue class). The state rows travel inside the
+batch because with DataLoader workers only the worker knows where its stream stands; the
+``SFTLoader`` keeps the last row per worker as batches pass through it and owns them as its
+``state_dict()``. ``load_state_dict`` (or ``resume_state``) hands them back: the largest
+``batch`` in it is the last batch consumed, so the resumed loader starts at the next one and
+yields exactly the batches the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -132,7 +134,6 @@ class SFTWindowDataset(IterableDataset):
         num_workers: int,
         seed: int,
         pad_id: int,
-        resume_state: Mapping[int | str, Sequence[int]] | None = None,
     ) -> None:
         super().__init__()
         if not shards:
@@ -163,7 +164,7 @@ class SFTWindowDataset(IterableDataset):
                 f"{self.total_windows} windows"
             )
         self.fingerprint = plan_fingerprint(self.shards)
-        self.start_batch = self._resume_batch(resume_state) if resume_state else 0
+        self.start_batch = 0  # set by SFTLoader.load_state_dict on resume
         self._windows: list[_ShardWindows] | None = None  # built lazily in each process
         self._epochs: dict[int, np.ndarray] = {}
         self.layout = BatchLayout(micro_batch_size, seq_len + 1)
@@ -179,8 +180,8 @@ class SFTWindowDataset(IterableDataset):
             "seed": self.seed,
         }
 
-    def _resume_batch(self, resume_state: Mapping[int | str, Sequence[int]]) -> int:
-        """Validate the trainer's ``{worker: last state row}``; the first batch to produce."""
+    def resume_batch(self, resume_state: Mapping[int | str, Sequence[int]]) -> int:
+        """Validate a loader state ``{worker: last state row}``; the first batch to produce."""
         expected = self.settings()
         workers = max(1, self.num_workers)
         own = range(self.rank * workers, (self.rank + 1) * workers)
@@ -319,15 +320,42 @@ class BatchLayout:
 
 
 class SFTLoader:
-    """Iterable of batch dicts: a DataLoader of packed buffers, unpacked as they arrive."""
+    """Iterable of batch dicts: a DataLoader of packed buffers, unpacked as they arrive.
 
-    def __init__(self, dataloader: DataLoader, layout: BatchLayout) -> None:
+    Owns the stream's resume state: the last state row per worker of the batches it has
+    handed out (``state_dict``), restored before the first iteration (``load_state_dict``).
+    """
+
+    def __init__(self, dataloader: DataLoader, dataset: SFTWindowDataset) -> None:
         self.dataloader = dataloader
-        self.layout = layout
+        self.dataset = dataset
+        self._rows: dict[str, list[int]] = {}
+        self._started = False
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self._started = True
         packed = iter(self.dataloader)  # starts the workers now, as iter(DataLoader) does
-        return (self.layout.unpack(p) for p in packed)
+        return (self._track(self.dataset.layout.unpack(p)) for p in packed)
+
+    def _track(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        row = [int(v) for v in batch["state"][-1].tolist()]
+        self._rows[str(row[0])] = row
+        return batch
+
+    def state_dict(self) -> dict[str, list[int]]:
+        """``{global worker id: last state row}`` of the batches handed out so far."""
+        return {worker: list(row) for worker, row in self._rows.items()}
+
+    def load_state_dict(self, state: Mapping[int | str, Sequence[int]]) -> None:
+        """Continue the stream after ``state`` (from ``state_dict``); before iterating only.
+
+        Raises:
+            LoaderStateError: ``state`` belongs to another corpus or loader settings.
+        """
+        if self._started:
+            raise RuntimeError("SFTLoader.load_state_dict must be called before iterating")
+        self.dataset.start_batch = self.dataset.resume_batch(state)
+        self._rows = {str(k): [int(v) for v in row] for k, row in state.items()}
 
 
 def build_sft_loader(
@@ -359,7 +387,7 @@ def build_sft_loader(
         num_workers: DataLoader worker processes (0: in the main process). Part of the state.
         prefetch_factor: batches each worker prepares ahead.
         seed: shuffling seed. Part of the state.
-        resume_state: ``{global worker id: last state row seen}`` from an earlier run.
+        resume_state: an earlier loader's ``state_dict()`` (same as ``load_state_dict``).
         shards: planned shards (from ``discover_sft_shards``), e.g. the training split.
         persistent_workers: keep workers alive between iterations.
         pad_id: padding token id.
@@ -385,7 +413,6 @@ def build_sft_loader(
         num_workers=num_workers,
         seed=seed,
         pad_id=pad_id,
-        resume_state=resume_state,
     )
     workers = {}
     if num_workers > 0:
@@ -401,7 +428,10 @@ def build_sft_loader(
         pin_memory=torch.cuda.is_available(),
         **workers,
     )
-    return SFTLoader(dataloader, dataset.layout), dataset
+    loader = SFTLoader(dataloader, dataset)
+    if resume_state:
+        loader.load_state_dict(resume_state)
+    return loader, dataset
 
 
 class StopSignalGuard:

@@ -1,4 +1,6 @@
-"""The training loop: step, log, validate, agree on stop/archive, checkpoint.
+"""The training loop, in torchtitan's shape: ``Trainer.train()`` -> ``train_step()`` (step.py)
+-> ``forward_backward()``; after each step it logs, validates, agrees on stop/archive and
+checkpoints as due.
 
 Control flow that depends on anything rank-local (a signal, the wall clock) is agreed on by
 every rank at deterministic control points (``sync_control_flags``), so every rank takes the
@@ -26,105 +28,86 @@ from nedolm.train.metrics import MetricsWriter, format_eta
 from nedolm.train.optim import lr_at_step, set_lr
 from nedolm.train.setup import Run
 from nedolm.train.signals import StopRequest
-from nedolm.train.step import fetch_step_batches, train_step
+from nedolm.train.step import StepResult, train_step
 from nedolm.train.validation import run_validation
 
 log = logging.getLogger(__name__)
 
 
-class TrainLoop:
-    """Runs ``run`` from its current step to ``max_steps`` or until a stop request."""
+class Trainer:
+    """Trains ``run`` from its current step to ``max_steps`` or until a stop request."""
 
     def __init__(self, run: Run, stop: StopRequest, writer: MetricsWriter | None) -> None:
         self.run = run
+        self.state = run.state
         self.stop = stop
         self.writer = writer  # rank 0 only
         t = run.cfg.train
         self.tokens_per_step = (
             t.micro_batch_size * t.grad_accum_steps * run.info.world_size * run.seq_len
         )
-        self.params = [p for p in run.base_model.parameters() if p.requires_grad]
+        self.params = [p for p in run.state.model.parameters() if p.requires_grad]
         self.job_start = time.monotonic()
         self.last_archive = time.monotonic()
-        self.first_step = run.progress.step
+        self.first_step = run.state.progress.step
         self._reset_log_window()
 
     def train(self) -> None:
         """The whole loop; returns normally on completion and on a stop request."""
-        run = self.run
+        run, progress = self.run, self.state.progress
         if run.val_loader is not None and run.cfg.validation.at_start:
             self.validate()
-        log.info("training steps %d -> %d", run.progress.step, run.max_steps)
+        log.info("training steps %d -> %d", progress.step, run.max_steps)
         run.model.train()
         self._reset_log_window()
-        for step in range(run.progress.step, run.max_steps):
-            if self.run_step(step):
-                log.warning(
-                    "stop requested (%s): stopped at step %d", self.stop.describe(), step + 1
-                )
+        for step in range(progress.step, run.max_steps):
+            lr = lr_at_step(step, run.cfg.optim, run.max_steps)
+            set_lr(self.state.optimizer, lr)
+            result = train_step(
+                run.model, self.params, self.state.optimizer, run.train_batches, run.settings, step
+            )
+            done = step + 1
+            self._account(done, result)
+            if done % run.cfg.train.log_interval == 0 or done in (
+                self.first_step + 1,
+                run.max_steps,
+            ):
+                self.log_step(lr)
+            if run.val_loader is not None and (
+                done % run.cfg.validation.interval == 0 or done == run.max_steps
+            ):
+                self.validate()
+            if self.control(done):
+                log.warning("stop requested (%s): stopped at step %d", self.stop.describe(), done)
                 return
         log.info(
             "finished at step %d: %d assistant tokens, %.2f h",
-            run.progress.step,
-            run.progress.assistant_tokens_seen,
+            progress.step,
+            progress.assistant_tokens_seen,
             (time.monotonic() - self.job_start) / 3600,
         )
 
-    def run_step(self, step: int) -> bool:
-        """Step, then log, validate, agree and checkpoint as due; True = stop now."""
-        run = self.run
-        lr = self.step(step)
-        done = run.progress.step
-        if done % run.cfg.train.log_interval == 0 or done in (self.first_step + 1, run.max_steps):
-            self.log_step(lr)
-        if run.val_loader is not None and (
-            done % run.cfg.validation.interval == 0 or done == run.max_steps
-        ):
-            self.validate()
-        return self.control(done)
-
-    def step(self, step: int) -> float:
-        """One optimizer step (0-based ``step``); returns its learning rate."""
-        run = self.run
-        lr = lr_at_step(step, run.cfg.optim, run.max_steps)
-        set_lr(run.optimizer, lr)
-        micro_batches, global_targets = fetch_step_batches(
-            run.train_batches,
-            count=run.cfg.train.grad_accum_steps,
-            info=run.info,
-            step=step,
-            eos_id=run.eos_id,
-            data_state=run.data_state,
-        )
-        loss, self.grad_norm = train_step(
-            run.model,
-            self.params,
-            run.optimizer,
-            micro_batches,
-            global_targets=global_targets,
-            world_size=run.info.world_size,
-            grad_clip=run.cfg.optim.grad_clip,
-            options=run.options,
-            step=step,
-        )
-        run.progress.step = step + 1
-        run.progress.context_tokens_seen += self.tokens_per_step
-        run.progress.assistant_tokens_seen += global_targets
-        self.window_loss += loss
-        self.window_targets += global_targets
+    def _account(self, done: int, result: StepResult) -> None:
+        """Progress and the log window after optimizer step ``done`` (1-based)."""
+        progress = self.state.progress
+        progress.step = done
+        progress.context_tokens_seen += self.tokens_per_step
+        progress.assistant_tokens_seen += result.global_targets
+        self.grad_norm = result.grad_norm
+        self.window_loss += result.loss_sum
+        self.window_targets += result.global_targets
         self.window_steps += 1
-        return lr
 
     def log_step(self, lr: float) -> None:
         """Reduce the loss of the steps since the last log (the only per-log host sync)."""
         run = self.run
         loss_sum = sum_all(self.window_loss.clone()).item()
         loss = loss_sum / self.window_targets
-        if run.options.use_amp:
+        if run.settings.loss.use_amp:
             torch.cuda.synchronize()
         elapsed = time.monotonic() - self.window_start
         sec_per_step = elapsed / self.window_steps
-        done = run.progress.step
+        done = self.state.progress.step
         record = {
             "step": done,
             "loss": loss,
@@ -134,11 +117,11 @@ class TrainLoop:
             "tokens_per_s": self.tokens_per_step / sec_per_step,
             "sec_per_step": sec_per_step,
             "assistant_ratio": self.window_targets / (self.tokens_per_step * self.window_steps),
-            "context_tokens_seen": run.progress.context_tokens_seen,
-            "assistant_tokens_seen": run.progress.assistant_tokens_seen,
+            "context_tokens_seen": self.state.progress.context_tokens_seen,
+            "assistant_tokens_seen": self.state.progress.assistant_tokens_seen,
             "hours": (time.monotonic() - self.job_start) / 3600,
         }
-        if run.options.use_amp:
+        if run.settings.loss.use_amp:
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         eta = format_eta(sec_per_step * (run.max_steps - done))
 
@@ -166,16 +149,16 @@ class TrainLoop:
 
     def _validate(self) -> None:
         run = self.run
-        log.info("validating at step %d", run.progress.step)
+        step = self.state.progress.step
+        log.info("validating at step %d", step)
         result = run_validation(
-            run.base_model,
+            self.state.model,
             run.val_loader,
             run.info,
             batches=run.cfg.validation.batches,
             eos_id=run.eos_id,
-            options=run.options,
+            options=run.settings.loss,
         )
-        step = run.progress.step
         record = {
             "step": step,
             "kind": "validation",
@@ -216,26 +199,23 @@ class TrainLoop:
         return stop
 
     def save_checkpoint(self) -> None:
-        """Gather every rank's cursor and RNG, then rank 0 writes one atomic file."""
-        run = self.run
-        done = run.progress.step
+        """Gather every rank's RNG and loader cursor, then rank 0 writes one atomic file."""
+        run, state = self.run, self.state
+        done = state.progress.step
 
         log.info("writing checkpoint at step %d", done)
 
-        def local_state() -> dict:
+        def rank_state() -> dict:
             maybe_inject("checkpoint_write", run.info.rank)
-            return {"rng": torch.get_rng_state(), "data_state": dict(run.data_state)}
+            return state.rank_state_dict()
 
-        local = all_rank_call(run.info, f"prepare checkpoint at step {done}", local_state)
+        local = all_rank_call(run.info, f"prepare checkpoint at step {done}", rank_state)
         ranks = gather_object(local)
 
         def write() -> None:
             payload = {
                 "step": done,
-                "model": run.base_model.state_dict(),
-                "optimizer": run.optimizer.state_dict(),
-                "ranks": ranks,
-                "progress": dataclasses.asdict(run.progress),
+                **state.state_dict(ranks),
                 "contract": run.contract,
                 "fingerprints": {k: fingerprint(v) for k, v in run.contract.items()},
                 "base_checkpoint": run.base_checkpoint,
@@ -254,16 +234,16 @@ class TrainLoop:
 
     def save_archive(self) -> None:
         """Weights and provenance only, for shipping or evaluating a snapshot."""
-        run = self.run
-        done = run.progress.step
+        run, state = self.run, self.state
+        done = state.progress.step
 
         def write() -> None:
             payload = {
                 "step": done,
-                "model": run.base_model.state_dict(),
+                "model": state.model.state_dict(),
                 "model_config": run.contract["training"]["recipe"]["model_config"],
                 "eos_id": run.eos_id,
-                "progress": dataclasses.asdict(run.progress),
+                "progress": dataclasses.asdict(state.progress),
                 "fingerprints": {k: fingerprint(v) for k, v in run.contract.items()},
                 "base_checkpoint": run.base_checkpoint,
             }

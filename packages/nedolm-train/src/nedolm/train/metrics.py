@@ -86,10 +86,39 @@ def _drop_partial_last_line(path: Path) -> None:
             handle.truncate(data.rfind(b"\n") + 1)
 
 
+class MetricsError(ValueError):
+    """A complete line of ``metrics.jsonl`` that is not a JSON object."""
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Every record of ``metrics.jsonl`` in order (for tests, plots and tools)."""
-    path = run_dir / METRICS_FILE
+    """Every record of ``RUN_DIR/metrics.jsonl`` in order; the one reader of that file.
+
+    An unterminated last line is a record being written (or cut by a kill) and is left out;
+    any other bad line raises ``MetricsError`` naming the file and line number.
+    """
+    path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")[:-1]  # the part after the last newline is not complete yet
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise MetricsError(f"{path}:{number}: not a JSON line ({exc.msg})") from exc
+        if not isinstance(record, dict):
+            raise MetricsError(f"{path}:{number}: not a JSON object")
+        records.append(record)
+    return records
+
+
+def split_metrics(
+    records: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training step records, validation records) of ``read_metrics``."""
+    train = [r for r in records if r.get("kind") != "validation" and "loss" in r]
+    validation = [r for r in records if r.get("kind") == "validation"]
+    return train, validation

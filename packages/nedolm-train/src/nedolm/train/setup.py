@@ -14,7 +14,8 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.contract import validate_dataset_contract
-from nedolm.data.loader import build_sft_loader
+from nedolm.data.loader import SFTLoader, build_sft_loader
 from nedolm.data.packing import discover_sft_shards
 from nedolm.data.roles import validate_roles
 from nedolm.data.stats import corpus_stats
@@ -53,20 +54,12 @@ from nedolm.train.contract import (
 )
 from nedolm.train.faults import maybe_inject
 from nedolm.train.optim import build_optimizer
-from nedolm.train.step import LossOptions
+from nedolm.train.state import TrainState, upgrade_checkpoint
+from nedolm.train.step import LossOptions, MicroBatch, StepSettings, forward_backward
 
 log = logging.getLogger(__name__)
 
 RESOLVED_CONFIG_FILE = "config.resolved.json"
-
-
-@dataclass
-class Progress:
-    """Counters that a checkpoint carries across restarts."""
-
-    step: int = 0
-    context_tokens_seen: int = 0
-    assistant_tokens_seen: int = 0
 
 
 @dataclass
@@ -76,23 +69,22 @@ class Run:
     cfg: SFTConfig
     info: DistInfo
     seq_len: int
-    eos_id: int
     max_steps: int
-    base_model: nn.Module
-    """The bare module: checkpoints, validation and clipping use it."""
+    state: TrainState
+    """Bare model, optimizer, progress, loader: what a checkpoint saves and restores."""
     model: nn.Module
-    """What the step calls: the bare, compiled and/or DDP-wrapped module."""
-    optimizer: torch.optim.Optimizer
-    options: LossOptions
-    train_batches: Any
-    """Infinite iterator over the training loader."""
-    val_loader: Any | None
+    """What the step calls: the bare, compiled and/or DDP-wrapped ``state.model``."""
+    settings: StepSettings
+    train_batches: Iterator[dict[str, torch.Tensor]]
+    """Infinite iterator over ``state.loader``."""
+    val_loader: SFTLoader | None
     contract: dict[str, dict[str, Any]]
     """{"dataset", "training", "execution"}: stored in every checkpoint."""
     base_checkpoint: str
-    progress: Progress
-    data_state: dict[int, list[int]] = field(default_factory=dict)
-    """Latest loader cursor per global worker id, for this rank."""
+
+    @property
+    def eos_id(self) -> int:
+        return self.settings.eos_id
 
 
 @dataclass
@@ -132,38 +124,40 @@ def prepare_run(
         info, "find latest SFT checkpoint", lambda: latest_checkpoint(cfg.run_dir)
     )
     if resume_path is not None:
-        state = all_rank_call(
-            info,
-            "load SFT checkpoint",
-            lambda: _load_resume(base_model, resume_path, contract),
+        resume = all_rank_call(
+            info, "load SFT checkpoint", lambda: _read_resume(resume_path, contract)
         )
-        base_checkpoint = str(state.get("base_checkpoint", ""))
+        base_checkpoint = str(resume.get("base_checkpoint", ""))
     else:
-        state = None
+        resume = None
         base_checkpoint = str(
             main_rank_call(info, "load base checkpoint", lambda: _load_base(cfg, base_model))
         )
-    # Fresh runs read the base on rank 0 only; resumed ranks must already agree bitwise.
+    # Fresh runs read the base on rank 0 only; resumed ranks load the same file below.
     broadcast_module_state(base_model)
 
-    options = LossOptions(
-        assistant_only_head=cfg.train.assistant_only_head,
-        loss_fp32_logits=cfg.train.loss_fp32_logits,
-        use_amp=info.device.type == "cuda",
+    settings = StepSettings(
+        info=info,
+        eos_id=run_config.eos_id,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+        grad_clip=cfg.optim.grad_clip,
+        loss=LossOptions(
+            assistant_only_head=cfg.train.assistant_only_head,
+            loss_fp32_logits=cfg.train.loss_fp32_logits,
+            use_amp=info.device.type == "cuda",
+        ),
     )
-    model, effective_compile = _maybe_compile(
-        base_model, cfg, info, seq_len, run_config.eos_id, options, allow_compile
-    )
+    model, effective_compile = _maybe_compile(base_model, cfg, seq_len, settings, allow_compile)
     contract["execution"] = execution_mode(
         world_size=info.world_size,
         num_workers=cfg.train.num_workers,
         effective_compile=effective_compile,
     )
-    if state is not None:
+    if resume is not None:
         all_rank_call(
             info,
             "check resume execution mode",
-            lambda: check_resume(state, contract, str(resume_path), parts=("execution",)),
+            lambda: check_resume(resume, contract, str(resume_path), parts=("execution",)),
         )
     if info.world_size > 1:
         model = _wrap_ddp(model, cfg, info)
@@ -171,35 +165,28 @@ def prepare_run(
     optimizer = all_rank_call(
         info, "build optimizer", lambda: build_optimizer(base_model, cfg.optim)
     )
-    progress, data_state = Progress(), {}
-    if state is not None:
-        data_state = all_rank_call(
-            info, "restore optimizer and data state", lambda: _restore(state, optimizer, info)
-        )
-        progress = Progress(**state["progress"])
-        log.info("resuming from %s at step %d", resume_path, progress.step)
-        del state
-    train_batches, val_loader = all_rank_call(
-        info,
-        "build data loaders",
-        lambda: _build_loaders(cfg, info, seq_len, data, data_state or None),
+    train_loader, val_loader = all_rank_call(
+        info, "build data loaders", lambda: _build_loaders(cfg, info, seq_len, data)
     )
+    state = TrainState(base_model, optimizer, train_loader)
+    if resume is not None:
+        all_rank_call(
+            info, "restore training state", lambda: state.load_state_dict(resume, info.rank)
+        )
+        log.info("resuming from %s at step %d", resume_path, state.progress.step)
+        del resume
     run = Run(
         cfg=cfg,
         info=info,
         seq_len=seq_len,
-        eos_id=run_config.eos_id,
         max_steps=max_steps,
-        base_model=base_model,
+        state=state,
         model=model,
-        optimizer=optimizer,
-        options=options,
-        train_batches=train_batches,
+        settings=settings,
+        train_batches=iter(train_loader),
         val_loader=val_loader,
         contract=contract,
         base_checkpoint=base_checkpoint,
-        progress=progress,
-        data_state=data_state,
     )
     main_rank_call(info, "write run metadata", lambda: _write_metadata(run, data))
     return run
@@ -286,12 +273,10 @@ def _recipe(cfg: SFTConfig, model_cfg: ModelConfig, max_steps: int) -> dict[str,
     }
 
 
-def _load_resume(
-    model: nn.Module, path: Path, contract: dict[str, dict[str, Any]]
-) -> dict[str, Any]:
-    state = load_checkpoint(path)
+def _read_resume(path: Path, contract: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint to resume from, in the current format, refused if the recipe changed."""
+    state = upgrade_checkpoint(load_checkpoint(path), str(path))
     check_resume(state, contract, str(path), parts=("dataset", "training"))
-    model.load_state_dict(state["model"])
     return state
 
 
@@ -302,19 +287,11 @@ def _load_base(cfg: SFTConfig, model: nn.Module) -> Path:
     return path
 
 
-def _restore(
-    state: dict[str, Any], optimizer: torch.optim.Optimizer, info: DistInfo
-) -> dict[int, list[int]]:
-    optimizer.load_state_dict(state["optimizer"])
-    local = state["ranks"][info.rank]
-    torch.set_rng_state(local["rng"])
-    return {int(k): [int(x) for x in v] for k, v in local["data_state"].items()}
-
-
 def _warmup_batch(
     base_model: nn.Module, micro_batch: int, seq_len: int, eos_id: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """A synthetic packed batch (three EOS per row, a third of it masked) for compile warm-up.
+) -> MicroBatch:
+    """A synthetic packed micro-batch shaped as training's (three EOS per row, a third of it
+    masked), for the compile warm-up.
 
     Uses its own generator so that warming up does not consume the global RNG stream.
     """
@@ -327,25 +304,27 @@ def _warmup_batch(
         inputs[:, col] = eos_id
     inputs, labels = inputs.to(device), labels.to(device)
     cu_seqlens, position_ids = packed_layout(inputs, eos_id)
-    return inputs, labels, cu_seqlens, position_ids
+    targets = int((labels != IGNORE_INDEX).sum())
+    return MicroBatch(inputs, labels, cu_seqlens, position_ids, targets)
 
 
 def _maybe_compile(
     base_model: nn.Module,
     cfg: SFTConfig,
-    info: DistInfo,
     seq_len: int,
-    eos_id: int,
-    options: LossOptions,
+    settings: StepSettings,
     allow_compile: bool,
 ) -> tuple[nn.Module, bool]:
     """Compile and warm up on every rank; if any rank fails, every rank runs eagerly.
 
-    Runs before DDP so that a failed warm-up cannot strand a rank inside a DDP collective,
-    and so that all ranks share one execution mode.
+    The warm-up calls ``forward_backward``, as the step does, on a micro-batch of the
+    training shape, so it compiles the graph that training runs. Runs before DDP so that a
+    failed warm-up cannot strand a rank inside a DDP collective, and so that all ranks share
+    one execution mode.
     """
     if not (cfg.train.compile and allow_compile):
         return base_model, False
+    info = settings.info
     local_error = ""
     compiled = None
     try:
@@ -355,21 +334,10 @@ def _maybe_compile(
         compiled = torch.compile(
             base_model, mode=cfg.train.compile_mode, backend=cfg.train.compile_backend
         )
-        inputs, labels, cu_seqlens, position_ids = _warmup_batch(
-            base_model, cfg.train.micro_batch_size, seq_len, eos_id, info.device
+        mb = _warmup_batch(
+            base_model, cfg.train.micro_batch_size, seq_len, settings.eos_id, info.device
         )
-        with torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=options.use_amp):
-            loss, _ = compiled(
-                inputs,
-                labels=labels,
-                return_logits=False,
-                loss_reduction="mean",
-                loss_fp32_logits=options.loss_fp32_logits,
-                cu_seqlens=cu_seqlens,
-                max_seqlen=seq_len,
-                position_ids=position_ids,
-            )
-        loss.backward()
+        forward_backward(compiled, mb, settings.loss, info.world_size / mb.targets)
         log.info("compile warm-up done in %.1fs", time.monotonic() - started)
     except Exception as exc:  # decided together below
         local_error = f"{type(exc).__name__}: {exc}"
@@ -398,8 +366,7 @@ def _build_loaders(
     info: DistInfo,
     seq_len: int,
     data: _Data,
-    resume_state: dict[int, list[int]] | None,
-) -> tuple[Any, Any | None]:
+) -> tuple[SFTLoader, SFTLoader | None]:
     t, v = cfg.train, cfg.validation
     train_loader, _ = build_sft_loader(
         data_dir=cfg.data_dir,
@@ -410,7 +377,6 @@ def _build_loaders(
         num_workers=t.num_workers,
         prefetch_factor=t.prefetch_factor,
         seed=t.seed,
-        resume_state=resume_state,
         shards=data.train_shards,
         persistent_workers=t.persistent_workers,
     )
@@ -425,11 +391,10 @@ def _build_loaders(
             num_workers=v.num_workers if v.num_workers is not None else min(2, t.num_workers),
             prefetch_factor=t.prefetch_factor,
             seed=v.seed,
-            resume_state=None,
             shards=data.val_shards,
             persistent_workers=False,
         )
-    return iter(train_loader), val_loader
+    return train_loader, val_loader
 
 
 def _write_metadata(run: Run, data: _Data) -> None:
@@ -450,7 +415,7 @@ def _write_metadata(run: Run, data: _Data) -> None:
         run.cfg.run_dir,
         {
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "start_step": run.progress.step,
+            "start_step": run.state.progress.step,
             "world_size": run.info.world_size,
             "job_id": os.environ.get("SLURM_JOB_ID", ""),
             "nodes": os.environ.get("SLURM_JOB_NODELIST", ""),

@@ -1,10 +1,17 @@
-"""One optimizer step: fetch every micro-batch, agree on the global target count, accumulate.
+"""One optimizer step: ``train_step`` fetches every micro-batch, agrees on the global target
+count, runs ``forward_backward`` per micro-batch, clips and steps.
 
 The loss of a step is the exact mean over every assistant target of every micro-batch on every
 rank: each micro-batch's *summed* loss is scaled by ``world_size / global_targets`` (DDP then
 averages over ranks), so short-target micro-batches are not over-weighted as a per-micro-batch
 mean would do. Fetch failures and the target count travel in one SUM all-reduce, so the hot
-path has a single tiny collective and a rank whose loader failed cannot strand its peers.
+path has a single tiny collective and a rank whose loader failed cannot strand its peers. That
+collective's host read is the one per-step sync: every rank must know before its forward pass
+whether any rank failed (else a healthy rank would wait forever in DDP's gradient all-reduce);
+the target count rides in the same read for free.
+
+``forward_backward`` is the one way the model is called for training: the compile warm-up calls
+it too, with a batch of the same shape, so it compiles the graph that training runs.
 """
 
 from __future__ import annotations
@@ -36,6 +43,27 @@ class LossOptions:
     loss_fp32_logits: bool
     use_amp: bool
     """bf16 autocast (CUDA); CPU runs in fp32."""
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """Everything an optimizer step needs besides the model, optimizer and data (fixed)."""
+
+    info: DistInfo
+    eos_id: int
+    grad_accum_steps: int
+    """Micro-batches per optimizer step on each rank."""
+    grad_clip: float
+    loss: LossOptions
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss_sum: Tensor
+    """This rank's summed target loss (on device: read at log intervals only)."""
+    grad_norm: Tensor
+    global_targets: int
+    """Assistant targets of the step over every rank."""
 
 
 @dataclass(frozen=True)
@@ -88,32 +116,20 @@ def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
 
 
 def fetch_step_batches(
-    batches: Iterator[dict[str, Any]],
-    *,
-    count: int,
-    info: DistInfo,
-    step: int,
-    eos_id: int,
-    data_state: dict[int, list[int]],
+    batches: Iterator[dict[str, Any]], settings: StepSettings, step: int
 ) -> tuple[list[MicroBatch], int]:
-    """Pull ``count`` micro-batches on every rank; returns them and the global target count.
-
-    ``data_state`` is updated with each loader worker's latest cursor (the loader's
-    ``state`` rows, keyed by global worker id) only when every rank fetched successfully.
+    """Pull the step's micro-batches on every rank; returns them and the global target count.
 
     Raises:
         StepError: on every rank, when any rank failed to fetch or has no target in the step.
     """
+    info = settings.info
     micro_batches: list[MicroBatch] = []
-    cursors: dict[int, list[int]] = {}
     local_error = ""
     try:
         maybe_inject("data_fetch", info.rank)
-        for _ in range(count):
-            batch = next(batches)
-            micro_batches.append(to_micro_batch(batch, info.device, eos_id))
-            row = [int(v) for v in batch["state"][-1].tolist()]
-            cursors[row[0]] = row
+        for _ in range(settings.grad_accum_steps):
+            micro_batches.append(to_micro_batch(next(batches), info.device, settings.eos_id))
         if sum(mb.targets for mb in micro_batches) == 0:
             raise RuntimeError(f"optimizer step {step} has zero assistant targets on this rank")
     except Exception as exc:  # reported to every rank below, never raised alone
@@ -126,41 +142,44 @@ def fetch_step_batches(
     if failed:
         errors = collect_rank_errors(info, local_error)
         raise StepError(f"batch fetch failed at optimizer step {step}: " + " | ".join(errors))
-    data_state.update(cursors)
     return micro_batches, global_targets
+
+
+def forward_backward(
+    model: nn.Module, mb: MicroBatch, options: LossOptions, scale: float
+) -> Tensor:
+    """Backpropagate ``scale`` times the micro-batch's summed loss; returns that sum, detached."""
+    loss = loss_sum(model, mb, options)
+    (loss * scale).backward()
+    return loss.detach().float()
 
 
 def train_step(
     model: nn.Module,
     params: list[Tensor],
     optimizer: torch.optim.Optimizer,
-    micro_batches: list[MicroBatch],
-    *,
-    global_targets: int,
-    world_size: int,
-    grad_clip: float,
-    options: LossOptions,
+    batches: Iterator[dict[str, Any]],
+    settings: StepSettings,
     step: int,
-) -> tuple[Tensor, Tensor]:
-    """Accumulate, clip (refusing non-finite norms) and step; returns (local loss sum, norm).
+) -> StepResult:
+    """Fetch, accumulate, clip (refusing non-finite norms) and step (0-based ``step``).
 
     ``model`` may be the DDP wrapper: gradients are all-reduced only on the last micro-batch.
     """
-    scale = world_size / global_targets
+    micro_batches, global_targets = fetch_step_batches(batches, settings, step)
+    scale = settings.info.world_size / global_targets
     no_sync = getattr(model, "no_sync", None)
     local_loss = torch.zeros((), dtype=torch.float32, device=micro_batches[0].inputs.device)
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
-            loss = loss_sum(model, mb, options)
-            (loss * scale).backward()
-        local_loss += loss.detach().float()
+            local_loss += forward_backward(model, mb, settings.loss, scale)
     try:
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, grad_clip, foreach=True, error_if_nonfinite=True
+            params, settings.grad_clip, foreach=True, error_if_nonfinite=True
         )
     except RuntimeError as exc:  # same all-reduced gradients, so every rank raises
         raise StepError(f"non-finite gradient norm at optimizer step {step}: {exc}") from exc
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return local_loss, grad_norm
+    return StepResult(local_loss, grad_norm, global_targets)

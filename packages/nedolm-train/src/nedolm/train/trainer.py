@@ -8,7 +8,7 @@ import traceback
 
 from nedolm.dist import DistInfo, all_rank_call, cleanup, main_rank_call, setup_distributed
 from nedolm.train.config import SFTConfig
-from nedolm.train.loop import TrainLoop
+from nedolm.train.loop import Trainer
 from nedolm.train.metrics import MetricsWriter, setup_logging
 from nedolm.train.setup import prepare_run
 from nedolm.train.signals import StopRequest
@@ -59,7 +59,7 @@ def _train(
         info, "open metrics", lambda: MetricsWriter(cfg.run_dir) if info.is_main else None
     )
     try:
-        TrainLoop(run_state, stop, writer).train()
+        Trainer(run_state, stop, writer).train()
     finally:
         if writer is not None:
             writer.close()

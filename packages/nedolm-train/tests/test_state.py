@@ -1,0 +1,47 @@
+"""``TrainState`` checkpoints: format version 1 (written by the old trainer) resumes bitwise;
+an unknown format version is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from nedolm.train.checkpoint import load_checkpoint
+from nedolm.train.state import CHECKPOINT_FORMAT_VERSION, CheckpointFormatError, upgrade_checkpoint
+
+
+@pytest.mark.slow
+def test_format_1_checkpoint_of_the_old_trainer_resumes_bitwise(
+    harness, reference, legacy_run, make_config
+) -> None:
+    step = harness.EPOCH_STEPS
+    legacy = load_checkpoint(legacy_run / "checkpoints" / f"step-{step:08d}.pt")
+    assert "format_version" not in legacy and "data_state" in legacy["ranks"][0]
+    expected = harness.step_losses(reference)
+    old = harness.step_losses(legacy_run)
+    assert old == expected  # the old and the new trainer train identically
+    upgraded = upgrade_checkpoint(legacy, "legacy.pt")
+    assert upgraded["format_version"] == CHECKPOINT_FORMAT_VERSION
+    (cursor,) = upgraded["ranks"][0]["loader"].values()
+    assert (cursor[1], cursor[2]) == (1, 0)  # epoch 1, cursor 0
+
+    config = make_config()
+    run_dir = config.with_suffix("")
+    harness.copy_checkpoint(legacy_run, step, into=run_dir)
+    harness.Job(config).wait_ok()
+    losses = harness.step_losses(run_dir)
+    assert sorted(losses) == list(range(step + 1, harness.MAX_STEPS + 1))
+    assert losses == {s: expected[s] for s in losses}
+    harness.assert_same_weights(harness.final_weights(run_dir), harness.final_weights(reference))
+    written = load_checkpoint(run_dir / "checkpoints" / f"step-{harness.MAX_STEPS:08d}.pt")
+    assert written["format_version"] == CHECKPOINT_FORMAT_VERSION
+
+
+def test_unknown_format_version_is_refused_by_name() -> None:
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"ck\.pt has checkpoint format version 7; this trainer reads version 2 "
+        r"and converts version 1",
+    ):
+        upgrade_checkpoint({"format_version": 7, "model": {}}, "ck.pt")
+    with pytest.raises(CheckpointFormatError, match=r"ck\.pt has no format_version and is not"):
+        upgrade_checkpoint({"model": {}, "step": 3}, "ck.pt")
