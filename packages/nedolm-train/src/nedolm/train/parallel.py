@@ -1,0 +1,125 @@
+"""Data parallelism for the MorphTransformer: DDP (replicated) or FSDP2 (sharded), one call.
+
+``parallelize(model, "ddp" | "fsdp", ...)`` returns the module the step calls. Under FSDP2
+(``torch.distributed.fsdp.fully_shard``) each block is its own unit, so only one block's full
+parameters exist at a time, and the root unit holds the tied embedding/head and the final
+norm. Both modes average gradients over ranks, so the step's ``world_size / global_targets``
+loss scale gives the exact global mean under either. Without a process group the model is
+returned unchanged in both modes: one process has nothing to replicate or shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from nedolm.dist import is_distributed
+from nedolm.model import MorphTransformer
+
+Parallelism = Literal["ddp", "fsdp"]
+Precision = Literal["auto", "bf16", "fp32"]
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def mixed_precision_policy(precision: Precision, device: torch.device) -> MixedPrecisionPolicy:
+    """FSDP2 compute/reduce dtypes; sharded master weights and AdamW states stay fp32.
+
+    ``auto`` is bf16 parameters and gradient reduction on CUDA, fp32 on CPU (CPU bf16
+    matmuls are slow and the CPU tests compare against fp32 DDP to rounding).
+
+    Raises:
+        ValueError: unknown ``precision``.
+    """
+    if precision not in get_args(Precision):
+        raise ValueError(f"precision must be one of {get_args(Precision)}, got {precision!r}")
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    dtype = _DTYPES[precision]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+
+
+def parallelize(
+    model: MorphTransformer,
+    mode: Parallelism,
+    *,
+    device: torch.device,
+    precision: Precision = "auto",
+    ddp_bucket_cap_mb: float = 25.0,
+    ddp_static_graph: bool = False,
+) -> nn.Module:
+    """Wrap ``model`` (already on ``device``, identical on every rank) for data parallelism.
+
+    Build the optimizer *after* this call: under FSDP the parameters become sharded DTensors
+    (same names, same global shapes), and the optimizer must hold those.
+
+    Args:
+        model: the bare (uncompiled) model; FSDP shards it in place.
+        mode: "ddp" replicates, "fsdp" shards parameters, gradients and optimizer states.
+        device: this rank's device.
+        precision: FSDP mixed precision (see ``mixed_precision_policy``); DDP ignores it.
+        ddp_bucket_cap_mb: DDP gradient bucket size.
+        ddp_static_graph: DDP static-graph optimisation.
+
+    Returns:
+        The DDP wrapper, or ``model`` itself turned into an FSDP module (also returned
+        unchanged when no process group is initialised).
+
+    Raises:
+        ValueError: unknown ``mode`` or ``precision``.
+    """
+    if mode not in get_args(Parallelism):
+        raise ValueError(f"parallelism must be one of {get_args(Parallelism)}, got {mode!r}")
+    policy = mixed_precision_policy(precision, device)  # validated in both modes
+    if not is_distributed():
+        return model
+    if mode == "ddp":
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            forward_sync_buffers=False,  # buffers (rope, morph classes) are equal on every rank
+            gradient_as_bucket_view=True,
+            static_graph=ddp_static_graph,
+            bucket_cap_mb=ddp_bucket_cap_mb,
+        )
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    # The root unit gathers the embedding (also the tied head) and the final norm; it stays
+    # gathered between forward and backward because the head reuses it at the very end.
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose ``state_dict`` names match the bare model (DDP adds ``module.``)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for a model returned by ``parallelize(..., "fsdp")`` in a process group."""
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def maybe_no_sync(model: nn.Module, *, last_micro_batch: bool) -> Iterator[None]:
+    """Skip DDP's gradient all-reduce on every micro-batch but the step's last.
+
+    FSDP reduce-scatters every micro-batch instead: deferring it would keep a full-size
+    unsharded gradient per rank, the memory FSDP exists to save.
+    """
+    if last_micro_batch or not isinstance(model, DistributedDataParallel):
+        yield
+        return
+    with model.no_sync():
+        yield
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: the replicated value of a DTensor (e.g. FSDP's clipped grad norm)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

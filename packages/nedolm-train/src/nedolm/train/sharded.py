@@ -1,0 +1,189 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) and full <-> sharded state conversion.
+
+A sharded checkpoint is a directory in which every rank wrote its own shard of the model and
+optimizer, plus DCP's ``.metadata``; ``nedolm-sharded.json`` is written last, after every shard
+is on disk, and the directory only then gets its final name::
+
+    step-00000005/              final name: renamed from .step-00000005.tmp-dcp by rank 0
+      __0_0.distcp __1_0.distcp one file per rank (DCP)
+      .metadata                 DCP's index of the shards
+      nedolm-sharded.json       format version, world size, caller's metadata: written last
+
+So a save killed at any point leaves either the previous checkpoint or a hidden ``.tmp-``
+directory that ``load_sharded`` refuses. DCP stores global shapes, so a checkpoint written by
+N ranks (DDP or FSDP) loads on M ranks under either mode.
+
+The *full* state (``full_state``/``load_full_state``) is the unsharded, name-keyed form of
+``torch.distributed.checkpoint.state_dict``: the format a DDP run keeps and an export needs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from nedolm.data.atomic import atomic_write_bytes, fsync_dir
+from nedolm.dist import all_rank_call, barrier, get_info, get_world_size, main_rank_call
+from nedolm.train.parallel import unwrap
+
+MANIFEST = "nedolm-sharded.json"
+FORMAT_VERSION = 1
+_TMP_SUFFIX = ".tmp-dcp"  # nedolm.data.atomic.is_temporary recognises the hidden name
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class ShardedCheckpointError(RuntimeError):
+    """A directory is not a complete sharded checkpoint."""
+
+
+def temporary_dir(final: Path) -> Path:
+    """Where ``save_sharded`` writes before the rename (hidden; the same name on every rank)."""
+    return final.with_name(f".{final.name}{_TMP_SUFFIX}")
+
+
+def save_sharded(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]
+) -> Path:
+    """Every rank writes its shard of model + optimizer; the directory appears complete or not.
+
+    A collective: call on every rank. ``meta`` (JSON-serialisable: step, parallelism, ...)
+    goes into the manifest, which rank 0 writes after all shards are on disk.
+
+    Raises:
+        nedolm.dist.RankError: on every rank, when preparing or finishing the directory failed.
+        torch.distributed.checkpoint.api.CheckpointException: on every rank, when a shard
+            write failed on any rank (DCP gathers the failures).
+    """
+    info = get_info()
+    final, tmp = Path(directory), temporary_dir(Path(directory))
+    manifest = json.dumps(
+        {"format": FORMAT_VERSION, "world_size": get_world_size(), "meta": meta}, indent=2
+    ).encode()  # serialised before any rank touches disk: bad meta fails here, on all ranks
+
+    def prepare() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+
+    main_rank_call(info, f"prepare {tmp}", prepare)  # nobody writes before the dir is clean
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    barrier()  # every rank's shard is on disk
+
+    def finish() -> None:
+        atomic_write_bytes(tmp / MANIFEST, manifest)
+        if final.exists():  # a re-save of the same step after a resume
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(final.parent)
+
+    main_rank_call(info, f"finish {final}", finish)
+    return final
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a complete sharded checkpoint.
+
+    Raises:
+        ShardedCheckpointError: no manifest (a save that did not finish) or an unknown format.
+    """
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise ShardedCheckpointError(
+            f"{directory}: not a complete sharded checkpoint (no {MANIFEST})"
+        )
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ShardedCheckpointError(
+            f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def load_sharded(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Load a sharded checkpoint into ``model``/``optimizer`` (any world size, either mode).
+
+    A collective: call on every rank, after ``parallelize`` and ``build_optimizer``.
+
+    Returns:
+        The ``meta`` given to ``save_sharded``.
+
+    Raises:
+        nedolm.dist.RankError: on every rank, when the directory is incomplete on any rank.
+    """
+    info = get_info()
+    manifest = all_rank_call(info, f"read {directory}", lambda: read_manifest(directory))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=Path(directory))  # fills the local shards in place
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return manifest["meta"]
+
+
+def full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Unsharded model and optimizer state, on CPU, on rank 0 (empty dicts on the others).
+
+    A collective under FSDP: shards are all-gathered one tensor at a time and moved to the
+    CPU, so no GPU ever holds the whole state. Both dicts are keyed by parameter name (the
+    bare model's names, no ``module.`` prefix), so they load into either mode with
+    ``load_full_state``; the model dict is also what an export writes.
+    """
+    model_state, optim_state = get_state_dict(model, optimizer, options=_FULL)
+    return model_state, optim_state
+
+
+def full_model_state(model: nn.Module) -> dict[str, Any]:
+    """``full_state``'s model dict alone (rank 0; empty elsewhere), for an export."""
+    return get_model_state_dict(model, options=_FULL)
+
+
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any],
+) -> None:
+    """Load a full state (``full_state`` of a DDP or FSDP run) into ``model``/``optimizer``.
+
+    A collective. Only rank 0's dicts are read (the others may pass empty ones): rank 0
+    broadcasts each tensor and every rank keeps its shard under FSDP, its copy under DDP.
+
+    Raises:
+        nedolm.dist.RankError: on every rank, naming the first missing or unexpected
+            parameter when rank 0's model dict does not fit the model.
+    """
+    names = set(unwrap(model).state_dict())  # local: FSDP2 returns its shards unsent
+    main_rank_call(get_info(), "check full state", lambda: _check_names(model_state, names))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    # Two calls, not set_state_dict: that one skips the model on a rank whose model dict is
+    # empty (torch 2.13), so ranks > 0 would miss rank 0's broadcasts and hang.
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
+def _check_names(model_state: dict[str, Any], names: set[str]) -> None:
+    missing, unexpected = sorted(names - set(model_state)), sorted(set(model_state) - names)
+    if missing or unexpected:
+        raise ShardedCheckpointError(
+            f"full state does not fit the model: {len(missing)} missing (first: "
+            f"{missing[:1]}), {len(unexpected)} unexpected (first: {unexpected[:1]})"
+        )

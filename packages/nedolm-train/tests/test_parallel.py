@@ -1,0 +1,235 @@
+"""FSDP2 against DDP on two real gloo ranks, sharded checkpoints across a SIGKILL, and full
+state moved between the two modes (parallel_worker.py is one rank of every run here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nedolm.dist import RankError
+from nedolm.model import build_model
+from nedolm.train.optim import build_optimizer
+from nedolm.train.parallel import mixed_precision_policy, parallelize
+from nedolm.train.sharded import (
+    MANIFEST,
+    load_full_state,
+    load_sharded,
+    save_sharded,
+    temporary_dir,
+)
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+_spec = importlib.util.spec_from_file_location("parallel_worker", WORKER)
+WORKER_MODULE = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(WORKER_MODULE)  # the model config the workers train
+TIMEOUT_S = 300
+SAVE_AT = 5
+
+
+class Ranks:
+    """Two worker processes of one process group; a hang fails the test, never blocks it."""
+
+    def __init__(self, out_dir: Path, *args: str, world_size: int = 2) -> None:
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.procs = []
+        for rank in range(world_size):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "NEDOLM_DIST_TIMEOUT_S": "120",
+                "CUDA_VISIBLE_DEVICES": "",
+            }
+            with (out_dir / f"rank{rank}.log").open("wb") as log:
+                cmd = [sys.executable, str(WORKER), str(out_dir), *args]
+                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.procs.append(proc)
+
+    def logs(self) -> str:
+        return "\n".join(
+            (self.out_dir / f"rank{r}.log").read_text(encoding="utf-8")[-3000:]
+            for r in range(len(self.procs))
+        )
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+
+    def wait_ok(self) -> Path:
+        deadline = time.monotonic() + TIMEOUT_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail(f"worker hung:\n{self.logs()}")
+        assert [p.returncode for p in self.procs] == [0] * len(self.procs), self.logs()
+        return self.out_dir
+
+    def wait_for(self, names: list[str]) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all((self.out_dir / n).exists() for n in names):
+            if any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"workers never reached {names}:\n{self.logs()}")
+            time.sleep(0.05)
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads((run / "losses.json").read_text("utf-8")).items()}
+
+
+def assert_relative_close(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> None:
+    """Relative error of the whole tensor (elementwise is ill-posed near zero): <= 1e-6."""
+    error = (ours.double() - theirs.double()).norm() / theirs.double().norm().clamp_min(1e-30)
+    assert error <= 1e-6, f"{name}: relative error {error:.3g}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Uninterrupted 10-step runs on 2 ranks under both modes (started together)."""
+    root = tmp_path_factory.mktemp("parallel")
+    groups = {m: Ranks(root / m, m, "--save-at", str(SAVE_AT)) for m in ("fsdp", "ddp")}
+    return {mode: group.wait_ok() for mode, group in groups.items()}
+
+
+@pytest.mark.slow
+def test_fsdp_matches_ddp_losses_and_weights(runs: dict[str, Path]) -> None:
+    fsdp, ddp = losses(runs["fsdp"]), losses(runs["ddp"])
+    assert sorted(fsdp) == list(range(10)) == sorted(ddp)
+    for step in ddp:
+        assert fsdp[step] == pytest.approx(ddp[step], rel=1e-6, abs=0), step
+    # The gathered FSDP state is the bare model's state_dict, names and shapes included.
+    fsdp_final = torch.load(runs["fsdp"] / "final.pt", weights_only=True)
+    ddp_final = torch.load(runs["ddp"] / "final.pt", weights_only=True)
+    bare = build_model(WORKER_MODULE.MODEL)
+    bare.load_state_dict(fsdp_final, strict=True)  # every name and shape of the bare model
+    assert fsdp_final.keys() == ddp_final.keys()
+    for name, tensor in ddp_final.items():
+        assert_relative_close(fsdp_final[name], tensor, name)
+    # The optimizer moments gathered at the save step agree as well.
+    fsdp_full = torch.load(runs["fsdp"] / f"full-{SAVE_AT}.pt", weights_only=True)
+    ddp_full = torch.load(runs["ddp"] / f"full-{SAVE_AT}.pt", weights_only=True)
+    assert fsdp_full["optim"]["state"].keys() == ddp_full["optim"]["state"].keys()
+    for name, moments in ddp_full["optim"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_relative_close(fsdp_full["optim"]["state"][name][key], moments[key], name)
+
+
+@pytest.mark.slow
+def test_killed_fsdp_run_resumes_from_sharded_checkpoint_exactly(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    killed = Ranks(tmp_path / "killed", "fsdp", "--save-at", str(SAVE_AT), "--hold-at", "7")
+    killed.wait_for(["holding0", "holding1"])  # two steps past the save
+    killed.kill()
+    checkpoint = tmp_path / "killed" / "sharded"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        MANIFEST,
+    ]
+    # A fresh group with other initial weights: everything must come from the checkpoint.
+    resumed = Ranks(
+        tmp_path / "resumed",
+        "fsdp",
+        "--init-seed",
+        "1",
+        "--start",
+        str(SAVE_AT),
+        "--load-sharded",
+        str(checkpoint),
+    ).wait_ok()
+    expected = losses(runs["fsdp"])
+    assert losses(resumed) == {s: expected[s] for s in range(SAVE_AT, 10)}  # bitwise
+    ours = torch.load(resumed / "final.pt", weights_only=True)
+    theirs = torch.load(runs["fsdp"] / "final.pt", weights_only=True)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.slow
+def test_full_state_moves_between_ddp_and_fsdp(runs: dict[str, Path], tmp_path: Path) -> None:
+    """DDP's full state resumed under FSDP continues as DDP did, and the other way round."""
+    steps = ("--init-seed", "1", "--start", str(SAVE_AT), "--stop", str(SAVE_AT + 2))
+    groups = {
+        source: Ranks(
+            tmp_path / f"{source}-into-{target}",
+            target,
+            *steps,
+            "--load-full",
+            str(runs[source] / f"full-{SAVE_AT}.pt"),
+        )
+        for source, target in (("ddp", "fsdp"), ("fsdp", "ddp"))
+    }
+    for source, group in groups.items():
+        ours, expected = losses(group.wait_ok()), losses(runs[source])
+        assert sorted(ours) == [SAVE_AT, SAVE_AT + 1]
+        for step, loss in ours.items():  # the second step also depends on the AdamW moments
+            assert loss == pytest.approx(expected[step], rel=1e-6, abs=0), (source, step)
+
+
+def tiny_model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = parallelize(build_model(WORKER_MODULE.MODEL), "fsdp", device=torch.device("cpu"))
+    return model, build_optimizer(model, WORKER_MODULE.OPTIM)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_save_replaces_a_killed_save_and_refuses_a_partial_one(tmp_path: Path) -> None:
+    model, optimizer = tiny_model_and_optimizer(seed=0)
+    final = tmp_path / "step-00000005"
+    killed = temporary_dir(final)  # what a save killed before its rename leaves behind
+    killed.mkdir()
+    (killed / "__0_0.distcp").write_bytes(b"half a shard")
+    assert save_sharded(final, model, optimizer, {"step": 5}) == final
+    assert not killed.exists() and (final / MANIFEST).is_file()
+
+    other, other_optimizer = tiny_model_and_optimizer(seed=1)
+    assert load_sharded(final, other, other_optimizer) == {"step": 5}
+    loaded = other.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+
+    (final / MANIFEST).unlink()  # shards and DCP metadata on disk, manifest not yet written
+    with pytest.raises(RankError, match="not a complete sharded checkpoint"):
+        load_sharded(final, other, other_optimizer)
+
+
+def test_full_state_that_does_not_fit_is_refused_by_name() -> None:
+    model, optimizer = tiny_model_and_optimizer(seed=0)
+    state = dict(model.state_dict())
+    state["head.weight"] = state.pop("norm.weight")
+    with pytest.raises(RankError, match=r"missing \(first: \['norm.weight'\]\), 1 unexpected"):
+        load_full_state(model, optimizer, state, {})
+
+
+def test_parallelism_and_precision_are_validated() -> None:
+    model = build_model(WORKER_MODULE.MODEL)
+    with pytest.raises(ValueError, match="parallelism must be one of"):
+        parallelize(model, "zero3", device=torch.device("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="precision must be one of"):
+        mixed_precision_policy("fp16", torch.device("cpu"))  # type: ignore[arg-type]
+    cpu = mixed_precision_policy("auto", torch.device("cpu"))
+    cuda = mixed_precision_policy("auto", torch.device("cuda", 0))
+    assert (cpu.param_dtype, cpu.reduce_dtype) == (torch.float32, torch.float32)
+    assert (cuda.param_dtype, cuda.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
