@@ -64,7 +64,12 @@ from nedolm.data.sources import (
     iter_lines,
     parse_record,
 )
-from nedolm.data.tokenizer import TextTokenizer, build_special_tokens, load_tokenizer
+from nedolm.data.tokenizer import (
+    TextTokenizer,
+    build_special_tokens,
+    copy_tokenizer_files,
+    load_tokenizer,
+)
 from nedolm.data.verify import verify_corpus
 
 TOKENIZER_DIR = "tokenizer"
@@ -490,7 +495,7 @@ def build_corpus(
 
     tmp = _fresh_tmp_dir(out)
     try:
-        shutil.copyfile(tokenizer_path, tmp / tokenizer_file)
+        copy_tokenizer_files(tokenizer, tmp / TOKENIZER_DIR)
         (tmp / SPECIAL_TOKENS_FILE).write_bytes(dump_json(msgspec.to_builtins(specials)))
         sink = _ShardSink(tmp / SHARDS_DIR, options, token_dtype(specials.vocab_size))
         try:
