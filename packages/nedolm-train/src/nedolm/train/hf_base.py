@@ -53,8 +53,8 @@ def load_hf_base(hf_dir: Path, morph_expert_dim: int = 0) -> MorphTransformer:
         HFImportError: the checkpoint cannot be imported (names the file, tensor or field).
         TokenizerError: ``hf_dir`` holds no loadable tokenizer.json.
     """
-    tokenizer = load_tokenizer(hf_dir)
     model = import_hf(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
     model = grow_vocab(model, max(model.cfg.vocab_size, _corpus_vocab_size(tokenizer)))
     if morph_expert_dim:
         classes = morph_classes_from_vocab(tokenizer.pieces())
