@@ -29,7 +29,7 @@ from nedolm.train.hf_base import hf_base_config, load_hf_base
 from nedolm_sft.chat_model import load_chat_model
 
 DEFAULT = files("nedolm_sft") / "default"
-SEQ_LEN = 128
+SEQ_LEN = 128  # the seq_len of conftest's sft_config
 PROMPT = "Türkiye'nin başkenti neresidir?"
 LLAMA3 = {
     "rope_type": "llama3",
@@ -91,31 +91,11 @@ def corpus(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare(hf_dir, tmp_path_factory.mktemp("corpus") / "data")
 
 
-def sft_config(path: Path, data_dir: Path, **base: str) -> Path:
-    config = {
-        "run_dir": str(path.parent / "run"),
-        "data_dir": str(data_dir),
-        **base,
-        "optim": {"lr": 3e-3, "warmup_steps": 1},
-        "train": {
-            "seq_len": SEQ_LEN,
-            "micro_batch_size": 2,
-            "grad_accum_steps": 1,
-            "max_steps": 3,
-            "num_workers": 0,
-            "compile": False,
-            "log_interval": 1,
-        },
-        "validation": {"shard_ids": [3], "interval": 3, "batches": 1},
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 @pytest.fixture(scope="module")
-def trained(hf_dir: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(hf_dir, corpus, sft_config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("sft")
-    result = nedolm_sft("run", str(sft_config(root / "sft.yaml", corpus, base_hf_dir=str(hf_dir))))
+    config = sft_config(root / "sft.yaml", corpus, base_hf_dir=str(hf_dir))
+    result = nedolm_sft("run", str(config))
     assert result.returncode == 0, result.stderr
     return root / "run"
 
@@ -207,7 +187,7 @@ def test_import_hf_without_tokenizer_is_refused(hf_dir: Path, tmp_path: Path) ->
     assert not (tmp_path / "base").exists()
 
 
-def test_corpus_of_another_tokenizer_is_refused_at_run_start(hf_dir, tmp_path) -> None:
+def test_corpus_of_another_tokenizer_is_refused_at_run_start(hf_dir, tmp_path, sft_config):
     other = prepare(OTHER_TOKENIZER, tmp_path / "other", records=20)
     config = sft_config(tmp_path / "sft.yaml", other, base_hf_dir=str(hf_dir))
     result = nedolm_sft("run", str(config))
@@ -219,7 +199,7 @@ def test_corpus_of_another_tokenizer_is_refused_at_run_start(hf_dir, tmp_path) -
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_base_hf_dir_excludes_a_base_run(hf_dir: Path, corpus: Path, tmp_path: Path) -> None:
+def test_base_hf_dir_excludes_a_base_run(hf_dir, corpus, tmp_path, sft_config) -> None:
     config = sft_config(
         tmp_path / "sft.yaml", corpus, base_hf_dir=str(hf_dir), base_run_dir=str(tmp_path)
     )

@@ -20,6 +20,16 @@ from nedolm.model import (
 )
 
 VOCAB = 150
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -37,19 +47,9 @@ VARIANTS = {
 
 def llama(tmp_path: Path, seed: int = 0, **overrides: object) -> tuple[LlamaForCausalLM, Path]:
     """A tiny random Llama saved by transformers into tmp_path/hf."""
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-    )
     torch.manual_seed(seed)
     # deepcopy: transformers writes rope_theta into the rope_scaling dict it is given.
-    model = LlamaForCausalLM(LlamaConfig(**copy.deepcopy({**fields, **overrides}))).eval()
+    model = LlamaForCausalLM(LlamaConfig(**copy.deepcopy({**TINY, **overrides}))).eval()
     out = tmp_path / "hf"
     model.save_pretrained(out)
     return model, out
@@ -86,17 +86,7 @@ def test_llama3_rope_scaling_changes_the_model(tmp_path) -> None:
 
 def test_mistral_without_sliding_window_imports(tmp_path) -> None:
     torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        sliding_window=None,
-    )
-    theirs = MistralForCausalLM(config).eval()
+    theirs = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)).eval()
     theirs.save_pretrained(tmp_path)
     assert max_logit_diff(import_hf(tmp_path, attn_impl="sdpa"), theirs, token_ids()) <= 1e-4
 
