@@ -231,7 +231,7 @@ def _prepare_data(
         if int(contract["eos_id"]) != run_config.eos_id:
             raise RuntimeError(
                 f"corpus EOS id {contract['eos_id']} != base model eos_id {run_config.eos_id} "
-                f"({cfg.base_config})"
+                f"({cfg.base_config or cfg.base_hf_dir})"
             )
         return contract
 
