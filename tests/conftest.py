@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 
@@ -31,6 +32,34 @@ DENSE_TINY = {
     "morph_expert_dim": 0,
     "max_seq_len": 256,
 }
+
+
+def write_sft_config(path: Path, data_dir: Path, **base: str) -> Path:
+    """A 3-step CPU SFT YAML at ``path`` (run dir beside it) starting from ``base``."""
+    config = {
+        "run_dir": str(path.parent / "run"),
+        "data_dir": str(data_dir),
+        **base,
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {
+            "seq_len": SEQ_LEN,
+            "micro_batch_size": 2,
+            "grad_accum_steps": 1,
+            "max_steps": 3,
+            "num_workers": 0,
+            "compile": False,
+            "log_interval": 1,
+        },
+        "validation": {"shard_ids": [3], "interval": 3, "batches": 1},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def sft_config() -> Callable[..., Path]:
+    """``sft_config(path, data_dir, **base_keys)``: write a short SFT YAML (see write_sft_config)."""
+    return write_sft_config
 
 
 @pytest.fixture(scope="session")
@@ -60,24 +89,12 @@ def dense_run(sample_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         eos_id=specials.eos_id,
         overrides=DENSE_TINY,
     )
-    config = {
-        "run_dir": str(root / "run"),
-        "base_config": str(root / "base" / "config.yaml"),
-        "base_run_dir": str(root / "base"),
-        "data_dir": str(sample_corpus),
-        "optim": {"lr": 3e-3, "warmup_steps": 1},
-        "train": {
-            "seq_len": SEQ_LEN,
-            "micro_batch_size": 2,
-            "grad_accum_steps": 1,
-            "max_steps": 3,
-            "num_workers": 0,
-            "compile": False,
-            "log_interval": 1,
-        },
-        "validation": {"shard_ids": [3], "interval": 3, "batches": 1},
-    }
-    (root / "sft.yaml").write_text(yaml.safe_dump(config))
+    write_sft_config(
+        root / "sft.yaml",
+        sample_corpus,
+        base_config=str(root / "base" / "config.yaml"),
+        base_run_dir=str(root / "base"),
+    )
     subprocess.run(
         [sys.executable, "-m", "nedolm_sft", "run", str(root / "sft.yaml")],
         check=True,

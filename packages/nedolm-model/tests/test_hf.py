@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from nedolm.model import ExportFormatError, build_model, export_hf, load_hf, preset
+from nedolm.model import ExportFormatError, HFImportError, build_model, export_hf, load_hf, preset
 
 
 def test_dense_export_loads_in_transformers_with_the_same_logits(make_model, tmp_path) -> None:
@@ -53,11 +53,11 @@ def test_load_hf_names_the_broken_file(make_model, tmp_path) -> None:
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(
-        ExportFormatError, match=r"model\.safetensors: missing tensor 'model\.layers\.2"
+        HFImportError, match=r"model\.safetensors: missing tensor 'model\.layers\.2"
     ):
         load_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(ExportFormatError, match=r"config\.json: unsupported model_type 'gpt2'"):
+    with pytest.raises(HFImportError, match=r"config\.json: unsupported model_type 'gpt2'"):
         load_hf(tmp_path)
 
 

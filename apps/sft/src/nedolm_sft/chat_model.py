@@ -23,10 +23,8 @@ from nedolm.data.format import SPECIAL_TOKENS_FILE, SpecialTokens, read_special_
 from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN
 from nedolm.data.render import ConversationLayout, LayoutError, chat_template
 from nedolm.data.tokenizer import TextTokenizer, load_tokenizer, read_tokenizer_bytes
-from nedolm.model import MorphTransformer, build_model, export_hf, generate, load_hf
-from nedolm.train.base import model_config
+from nedolm.model import ModelConfig, MorphTransformer, build_model, export_hf, generate, load_hf
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
-from nedolm.train.config import load_run_config
 
 EXPORT_SIDECAR = "nedolm"
 """Export subdirectory with the corpus specials and the original tokenizer file."""
@@ -106,8 +104,8 @@ def _load_run(run_dir: Path) -> ChatModel:
     if "sft_config" not in payload:
         raise click.ClickException(f"{checkpoint} is not an SFT checkpoint (no sft_config)")
     sft = payload["sft_config"]
-    base = load_run_config(Path(sft["base_config"]))
-    model = build_model(model_config(base, morph_dispatch="sparse", attn_impl="sdpa"))
+    trained = payload["contract"]["training"]["recipe"]["model_config"]
+    model = build_model(ModelConfig(**{**trained, "morph_dispatch": "sparse", "attn_impl": "sdpa"}))
     model.load_state_dict(payload["model"])
     data_dir = Path(sft["data_dir"])
     specials = read_special_tokens(data_dir)

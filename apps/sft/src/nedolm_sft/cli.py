@@ -66,10 +66,11 @@ from nedolm_sft.commands.demo import demo  # noqa: E402
 
 cli.add_command(demo)
 
-from nedolm_sft.commands.train import init_base_command, run  # noqa: E402
+from nedolm_sft.commands.train import import_hf_command, init_base_command, run  # noqa: E402
 
 cli.add_command(run)
 cli.add_command(init_base_command)
+cli.add_command(import_hf_command)
 from nedolm_sft.commands.inspect import inspect  # noqa: E402
 
 cli.add_command(inspect)

@@ -49,8 +49,9 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
 @click.option(
     "--tokenizer",
     required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="tokenizer.json (tokenizers) or SentencePiece .model; .gz works too.",
+    type=click.Path(exists=True, path_type=Path),
+    help="tokenizer.json (tokenizers) or SentencePiece .model (.gz works too), or a Hugging "
+    "Face model directory holding tokenizer.json (+ tokenizer_config.json for EOS).",
 )
 @click.option(
     "--out",

@@ -1,4 +1,4 @@
-"""``nedolm-sft run`` (the SFT job) and ``nedolm-sft init-base`` (a random base run for demos)."""
+"""``nedolm-sft run`` (the SFT job), ``init-base`` (a random base run for demos) and ``import-hf``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import click
 import yaml
 
 from nedolm.data.format import read_special_tokens
-from nedolm.data.tokenizer import load_tokenizer
-from nedolm.model import morph_classes_from_vocab, preset_names
-from nedolm.train.base import init_base
+from nedolm.data.tokenizer import TokenizerError, load_tokenizer
+from nedolm.model import HFImportError, morph_classes_from_vocab, preset_names
+from nedolm.train.base import import_hf_base, init_base
 from nedolm.train.config import ConfigError, load_sft_config
 from nedolm.train.trainer import run as run_training
 
@@ -109,3 +109,30 @@ def init_base_command(
         overrides=overrides,
     )
     click.echo(f"wrote {out / 'config.yaml'} and {path}")
+
+
+@click.command("import-hf")
+@click.argument("hf_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="New base run dir.")
+@click.option(
+    "--morph-expert-dim",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Add morph experts of this width (zero output at first); 0 keeps the model dense.",
+)
+def import_hf_command(hf_dir: Path, out: Path, morph_expert_dim: int) -> None:
+    """Write a base run from a Hugging Face Llama/Mistral directory HF_DIR.
+
+    HF_DIR holds config.json, model.safetensors (or model.safetensors.index.json and its
+    shards) and tokenizer.json; prepare the corpus with --tokenizer HF_DIR.
+
+    \b
+    Example:
+      nedolm-sft import-hf models/TinyLlama --out runs/base-tinyllama
+    """
+    try:
+        checkpoint = import_hf_base(hf_dir, out, morph_expert_dim=morph_expert_dim)
+    except (HFImportError, TokenizerError, FileExistsError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"wrote {out / 'config.yaml'} and {checkpoint}")

@@ -32,7 +32,7 @@ from nedolm.data.packing import (
 from nedolm.data.records import token_dtype
 from nedolm.data.shards import ShardSink
 from nedolm.data.sources import DUPLICATE_RECORD, InputError, Rejected, iter_lines
-from nedolm.data.tokenizer import build_special_tokens, load_tokenizer
+from nedolm.data.tokenizer import build_special_tokens, copy_tokenizer_files, load_tokenizer
 from nedolm.data.verify import verify_corpus
 
 __all__ = ["BuildError", "BuildOptions", "BuildReport", "SourceReport", "build_corpus"]
@@ -102,7 +102,7 @@ def build_corpus(
 
     tmp = fresh_tmp_dir(out, SHARDS_DIR, TOKENIZER_DIR)
     try:
-        shutil.copyfile(tokenizer_path, tmp / tokenizer_file)
+        copy_tokenizer_files(tokenizer, tmp / TOKENIZER_DIR)
         (tmp / SPECIAL_TOKENS_FILE).write_bytes(dump_json(msgspec.to_builtins(specials)))
         sink = ShardSink(tmp / SHARDS_DIR, options, token_dtype(specials.vocab_size))
         sources, digests = _write_shards(paths, encoder, options, sink, progress)

@@ -1,7 +1,9 @@
 """Tokenizer adapters and the corpus's special ids.
 
 Two real formats are supported, each behind an optional extra: a Hugging Face
-``tokenizer.json`` (``tokenizers``; ``.json.gz`` is read too) and a SentencePiece model
+``tokenizer.json`` (``tokenizers``; ``.json.gz`` is read too; a model directory holding
+``tokenizer.json`` and ``tokenizer_config.json``, whose ``eos_token`` then names EOS) and a
+SentencePiece model
 (``sentencepiece``; gzipped models too). Both encode content with no special tokens added and with special-token
 strings NOT interpreted, so text typed by a user can never become a control id.
 
@@ -14,8 +16,10 @@ against EOS and pad after encoding.
 from __future__ import annotations
 
 import gzip
+import json
+import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from nedolm.data.format import (
@@ -30,6 +34,7 @@ from nedolm.data.schema import SPECIAL_TOKENS_SCHEMA
 
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 _PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
+HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 
 
 class TokenizerError(ValueError):
@@ -50,6 +55,7 @@ class TextTokenizer(ABC):
     base_vocab_size: int
     eos_id: int
     pad_id: int | None  # the tokenizer's own pad id, if it has one
+    config_path: Path | None = None  # the tokenizer_config.json EOS was read from
 
     @abstractmethod
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -58,6 +64,10 @@ class TextTokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special ids rendered as their strings)."""
+
+    @abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        """The id of ``token`` if it is one whole entry of the vocabulary, else None."""
 
     @abstractmethod
     def pieces(self) -> list[str]:
@@ -91,11 +101,36 @@ class HFTokenizer(TextTokenizer):
             raise TokenizerError(f"{path}: not a loadable tokenizer.json: {exc}") from exc
         self._tok.encode_special_tokens = True  # typed "</s>" is text, not a control token
         self.base_vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eos = _first_id(self._tok.token_to_id, _EOS_CANDIDATES)
+        self.config_path = self.path.with_name(HF_TOKENIZER_CONFIG)
+        if self.path.name != HF_TOKENIZER_FILE or not self.config_path.is_file():
+            self.config_path = None
+        eos = self._configured_eos() if self.config_path else None
+        eos = eos if eos is not None else _first_id(self._tok.token_to_id, _EOS_CANDIDATES)
         if eos is None:
             raise TokenizerError(f"{path}: no end-of-sequence token among {_EOS_CANDIDATES}")
         self.eos_id = eos
         self.pad_id = _first_id(self._tok.token_to_id, _PAD_CANDIDATES)
+
+    def _configured_eos(self) -> int | None:
+        """The id of tokenizer_config.json's ``eos_token`` (None when it names none)."""
+        assert self.config_path is not None
+        try:
+            eos = json.loads(self.config_path.read_text(encoding="utf-8")).get("eos_token")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise TokenizerError(f"{self.config_path}: not a readable JSON object: {exc}") from exc
+        if isinstance(eos, dict):  # AddedToken form: {"content": "</s>", ...}
+            eos = eos.get("content")
+        if eos is None:
+            return None
+        eos_id = self._tok.token_to_id(str(eos))
+        if eos_id is None:
+            raise TokenizerError(
+                f"{self.config_path}: eos_token {eos!r} is not in the vocabulary of {self.path}"
+            )
+        return eos_id
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
@@ -140,6 +175,10 @@ class SentencePieceTokenizer(TextTokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
 
+    def token_to_id(self, token: str) -> int | None:
+        token_id = self._sp.piece_to_id(token)  # unknown pieces map to the unk id
+        return token_id if self._sp.id_to_piece(token_id) == token else None
+
     def pieces(self) -> list[str]:
         return [self._sp.id_to_piece(i) for i in range(self.base_vocab_size)]
 
@@ -153,8 +192,11 @@ def _first_id(lookup: Callable[[str], int | None], candidates: Sequence[str]) ->
 
 
 def load_tokenizer(path: Path) -> TextTokenizer:
-    """``*.json`` / ``*.json.gz`` → ``tokenizers``; anything else → SentencePiece."""
+    """A directory (a Hugging Face model's) → its ``tokenizer.json``; ``*.json`` /
+    ``*.json.gz`` → ``tokenizers``; anything else → SentencePiece."""
     path = Path(path)
+    if path.is_dir():
+        path = path / HF_TOKENIZER_FILE
     if not path.is_file():
         raise TokenizerError(f"{path}: tokenizer file not found")
     if path.name.endswith((".json", ".json.gz")):
@@ -162,18 +204,34 @@ def load_tokenizer(path: Path) -> TextTokenizer:
     return SentencePieceTokenizer(path)
 
 
+def _existing_or_next(token_id: int | None, free_ids: Iterator[int]) -> int:
+    return next(free_ids) if token_id is None else token_id
+
+
+def copy_tokenizer_files(tokenizer: TextTokenizer, out_dir: Path) -> None:
+    """Copy the tokenizer file (and the tokenizer_config.json it read EOS from) into out_dir."""
+    shutil.copyfile(tokenizer.path, out_dir / tokenizer.name)
+    if tokenizer.config_path is not None:
+        shutil.copyfile(tokenizer.config_path, out_dir / tokenizer.config_path.name)
+
+
 def build_special_tokens(tokenizer: TextTokenizer, tokenizer_file: str) -> SpecialTokens:
     """The corpus's ids (SPEC §2) for ``tokenizer``; ``tokenizer_file`` is its path in DATA_DIR.
 
-    Control ids follow the base vocabulary (32000, 32001 for NedoLM's tokenizer). The pad id is
-    the tokenizer's own if distinct from EOS, else the next free id, so padding is never EOS
-    (EOS starts a new attention segment) and never a control token.
+    Control ids follow the base vocabulary (32000, 32001 for NedoLM's tokenizer) unless the
+    tokenizer already holds the control tokens, whose ids are then kept. The pad id is the
+    tokenizer's own if distinct from EOS, else the next free id, so padding is never EOS (EOS
+    starts a new attention segment) and never a control token.
     """
     base = tokenizer.base_vocab_size
-    start_id, end_id = base, base + 1
+    free_ids = iter(range(base, base + 3))
+    start_id, end_id = (
+        _existing_or_next(tokenizer.token_to_id(token), free_ids)
+        for token in (MESSAGE_START_TOKEN, MESSAGE_END_TOKEN)
+    )
     pad_id = tokenizer.pad_id
     if pad_id is None or pad_id == tokenizer.eos_id:
-        pad_id = base + 2
+        pad_id = next(free_ids)
     headers = tokenizer.encode_batch([role_header_text(word) for word in ROLE_HEADERS.values()])
     for role, ids in zip(ROLE_HEADERS, headers, strict=True):
         if not ids:

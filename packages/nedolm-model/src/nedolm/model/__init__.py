@@ -2,8 +2,10 @@
 
 from nedolm.model.attention import AttentionBackendError, attention_backends, resolve_attn_impl
 from nedolm.model.config import ModelConfig, ModelConfigError, preset, preset_names
+from nedolm.model.extend import add_morph_experts, grow_vocab
 from nedolm.model.generate import KVCache, generate
 from nedolm.model.hf import ExportFormatError, export_hf, load_hf
+from nedolm.model.hf_import import HFImportError, import_hf, read_hf_config
 from nedolm.model.layout import packed_layout
 from nedolm.model.loss import IGNORE_INDEX, fused_linear_cross_entropy
 from nedolm.model.model import MorphTransformer, build_model
@@ -13,19 +15,24 @@ __all__ = [
     "IGNORE_INDEX",
     "AttentionBackendError",
     "ExportFormatError",
+    "HFImportError",
     "KVCache",
     "ModelConfig",
     "ModelConfigError",
     "MorphTransformer",
+    "add_morph_experts",
     "attention_backends",
     "build_model",
     "export_hf",
     "fused_linear_cross_entropy",
     "generate",
+    "grow_vocab",
+    "import_hf",
     "load_hf",
     "morph_classes_from_vocab",
     "packed_layout",
     "preset",
     "preset_names",
+    "read_hf_config",
     "resolve_attn_impl",
 ]

@@ -14,6 +14,13 @@ from typing import Any
 MORPH_DISPATCHES = ("masked", "sparse")
 ATTN_IMPLS = ("auto", "flash", "torch_varlen", "sdpa")
 VOCAB_MULTIPLE = 64  # embedding rows are padded so matmuls over the vocabulary stay aligned
+# Llama 3.1 rotary scaling parameters, named as in Hugging Face configs.
+LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 
 
 class ModelConfigError(ValueError):
@@ -38,6 +45,8 @@ class ModelConfig:
     rope_theta: float = 10000.0  # rotary base
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of weight init; residual projections are scaled down
+    tie_embeddings: bool = True  # output head shares the input embedding (False: own weight)
+    rope_scaling: dict[str, Any] | None = None  # None, or Llama 3.1's {"rope_type": "llama3", ...}
 
     def __post_init__(self) -> None:
         errors = _field_errors(self)
@@ -71,8 +80,11 @@ def _field_errors(cfg: ModelConfig) -> list[str]:
             errors.append(f"{name} must be an int >= 0, got {value!r}")
     for name in ("rope_theta", "norm_eps", "init_std"):
         value = getattr(cfg, name)
-        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        if not _is_positive_number(value):
             errors.append(f"{name} must be a number > 0, got {value!r}")
+    if not isinstance(cfg.tie_embeddings, bool):
+        errors.append(f"tie_embeddings must be a bool, got {cfg.tie_embeddings!r}")
+    errors.extend(_rope_scaling_errors(cfg.rope_scaling))
     if cfg.morph_dispatch not in MORPH_DISPATCHES:
         errors.append(
             f"morph_dispatch must be one of {MORPH_DISPATCHES}, got {cfg.morph_dispatch!r}"
@@ -93,6 +105,29 @@ def _field_errors(cfg: ModelConfig) -> list[str]:
             f"{cfg.n_morph_classes} and {cfg.morph_expert_dim}"
         )
     return errors
+
+
+def _rope_scaling_errors(scaling: object) -> list[str]:
+    if scaling is None:
+        return []
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        return [f"rope_scaling must be None or a dict with rope_type 'llama3', got {scaling!r}"]
+    missing = sorted(set(LLAMA3_ROPE_KEYS) - set(scaling))
+    extra = sorted(set(scaling) - set(LLAMA3_ROPE_KEYS) - {"rope_type"})
+    if missing or extra:
+        return [
+            f"rope_scaling needs exactly {LLAMA3_ROPE_KEYS}: missing {missing}, unknown {extra}"
+        ]
+    bad = {k: scaling[k] for k in LLAMA3_ROPE_KEYS if not _is_positive_number(scaling[k])}
+    if bad:
+        return [f"rope_scaling values must be numbers > 0, got {bad}"]
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        return [f"rope_scaling high_freq_factor must exceed low_freq_factor, got {scaling}"]
+    return []
+
+
+def _is_positive_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 def _is_int(value: object) -> bool:

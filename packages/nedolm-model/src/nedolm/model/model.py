@@ -1,8 +1,8 @@
 """MorphTransformer: a Llama-style decoder with per-class morph experts and a fused loss head.
 
 Pre-norm RMSNorm, rotary positions indexed by `position_ids`, grouped-query attention over
-packed segments, SwiGLU, no biases, tied input/output embeddings (padded to a multiple of 64
-rows). Tokens travel flattened as [T, D] through the blocks so packed and unpacked batches
+packed segments, SwiGLU, no biases, input/output embeddings padded to a multiple of 64 rows and
+tied unless `cfg.tie_embeddings` is False (then the head is its own `output` weight). Tokens travel flattened as [T, D] through the blocks so packed and unpacked batches
 share one code path. With `n_morph_classes == 0` the model is numerically a Llama model.
 """
 
@@ -135,7 +135,10 @@ class MorphTransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.output = None
+        if not cfg.tie_embeddings:
+            self.output = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if cfg.n_morph_classes:
@@ -157,6 +160,12 @@ class MorphTransformer(nn.Module):
             else:
                 param.normal_(0.0, std)
         self.tok_embeddings.weight[self.cfg.vocab_size :].zero_()  # padding rows: never used
+        self.output_weight[self.cfg.vocab_size :].zero_()
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The output head [padded vocab, D]: the input embedding when tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def set_morph_classes(self, classes: Tensor) -> None:
         """Set the morph class of ids 0..len(classes)-1; later ids get the last class.
@@ -250,14 +259,14 @@ class MorphTransformer(nn.Module):
             target_T = labels_T != IGNORE_INDEX
             loss = fused_linear_cross_entropy(
                 hidden_TD[target_T],
-                self.tok_embeddings.weight,
+                self.output_weight,
                 labels_T[target_T],
                 vocab_size=self.cfg.vocab_size,
                 reduction=loss_reduction,
                 fp32_logits=loss_fp32_logits,
             )
         if return_logits:
-            logits_TV = F.linear(hidden_TD, self.tok_embeddings.weight[: self.cfg.vocab_size])
+            logits_TV = F.linear(hidden_TD, self.output_weight[: self.cfg.vocab_size])
             if labels is not None:
                 if loss_reduction not in ("sum", "mean"):
                     raise ValueError(
@@ -295,7 +304,7 @@ class MorphTransformer(nn.Module):
             x_TD = block(x_TD, cos_TK, sin_TK, None, route, cache)
         cache.advance(len(ids_T))
         hidden_D = self.norm(x_TD[-1])
-        return F.linear(hidden_D, self.tok_embeddings.weight[: self.cfg.vocab_size]).float()
+        return F.linear(hidden_D, self.output_weight[: self.cfg.vocab_size]).float()
 
     def _route(self, ids_T: Tensor) -> MorphRoute | None:
         cfg = self.cfg

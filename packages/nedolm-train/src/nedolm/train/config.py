@@ -149,16 +149,32 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     run_dir: Path
     """Checkpoints, metrics and logs; an existing run dir is resumed from."""
-    base_config: Path
-    """The pretraining run's config YAML (holds the model config)."""
-    base_run_dir: Path
-    """The latest checkpoint here is the base, unless base_checkpoint is set."""
     data_dir: Path
     """A prepared, verified corpus (nedolm-sft prepare)."""
     optim: OptimConfig
     train: TrainConfig
+    base_config: Path | None = None
+    """The pretraining run's config YAML (holds the model config)."""
+    base_run_dir: Path | None = None
+    """The latest checkpoint here is the base, unless base_checkpoint is set."""
     base_checkpoint: Path | None = None
+    base_hf_dir: Path | None = None
+    """Instead of a base run: a Hugging Face Llama/Mistral directory (nedolm-sft import-hf)."""
+    base_morph_expert_dim: int = 0
+    """With base_hf_dir: add morph experts of this width (zero output at step 0); 0 = dense."""
     validation: ValidationConfig = msgspec.field(default_factory=ValidationConfig)
+
+    def __post_init__(self) -> None:
+        run_base = (self.base_config, self.base_run_dir, self.base_checkpoint)
+        if self.base_hf_dir is not None and any(p is not None for p in run_base):
+            raise ValueError(
+                "base_hf_dir cannot be combined with base_config/base_run_dir/base_checkpoint: "
+                "start from either a Hugging Face directory or a base run"
+            )
+        if self.base_hf_dir is None and (self.base_config is None or self.base_run_dir is None):
+            raise ValueError("give base_config and base_run_dir, or base_hf_dir")
+        if self.base_morph_expert_dim < 0 or (self.base_morph_expert_dim and not self.base_hf_dir):
+            raise ValueError("base_morph_expert_dim must be >= 0 and needs base_hf_dir")
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -205,12 +221,12 @@ def load_sft_config(path: str | Path) -> SFTConfig:
     return msgspec.structs.replace(
         cfg,
         run_dir=_resolve(base, cfg.run_dir),
-        base_config=_resolve(base, cfg.base_config),
-        base_run_dir=_resolve(base, cfg.base_run_dir),
         data_dir=_resolve(base, cfg.data_dir),
-        base_checkpoint=None
-        if cfg.base_checkpoint is None
-        else _resolve(base, cfg.base_checkpoint),
+        **{
+            key: _resolve(base, getattr(cfg, key))
+            for key in ("base_config", "base_run_dir", "base_checkpoint", "base_hf_dir")
+            if getattr(cfg, key) is not None
+        },
     )
 
 

@@ -37,13 +37,18 @@ from nedolm.dist import (
     main_rank_call,
 )
 from nedolm.model import IGNORE_INDEX, ModelConfig, build_model, packed_layout, resolve_attn_impl
-from nedolm.train.base import model_config, resolve_base_checkpoint
+from nedolm.train.base import (
+    base_run_config,
+    check_base_tokenizer,
+    load_base_weights,
+    model_config,
+)
 from nedolm.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     write_run_metadata,
 )
-from nedolm.train.config import RunConfig, SFTConfig, load_run_config, to_builtins
+from nedolm.train.config import RunConfig, SFTConfig, to_builtins
 from nedolm.train.contract import (
     check_plan_matches_audit,
     check_resume,
@@ -100,7 +105,7 @@ def prepare_run(
     cfg: SFTConfig, info: DistInfo, *, smoke_steps: int | None = None, allow_compile: bool = True
 ) -> Run:
     """Check everything, build everything, and restore the latest checkpoint if there is one."""
-    run_config = all_rank_call(info, "read base config", lambda: load_run_config(cfg.base_config))
+    run_config = all_rank_call(info, "read base config", lambda: base_run_config(cfg))
     model_cfg = all_rank_call(
         info,
         "build model config",
@@ -108,6 +113,7 @@ def prepare_run(
     )
     seq_len = cfg.train.seq_len or model_cfg.max_seq_len
     all_rank_call(info, "check runtime", lambda: _check_runtime(model_cfg, seq_len, info.device))
+    main_rank_call(info, "check corpus tokenizer", lambda: check_base_tokenizer(cfg, run_config))
     data = _prepare_data(cfg, info, run_config, model_cfg, seq_len)
     max_steps = smoke_steps or cfg.train.max_steps or _one_epoch_steps(cfg, info, data.stats)
     recipe = _recipe(cfg, model_cfg, max_steps)
@@ -213,7 +219,7 @@ def _prepare_data(
         if int(contract["eos_id"]) != run_config.eos_id:
             raise RuntimeError(
                 f"corpus EOS id {contract['eos_id']} != base model eos_id {run_config.eos_id} "
-                f"({cfg.base_config})"
+                f"({cfg.base_config or cfg.base_hf_dir})"
             )
         return contract
 
@@ -281,8 +287,7 @@ def _read_resume(path: Path, contract: dict[str, dict[str, Any]]) -> dict[str, A
 
 
 def _load_base(cfg: SFTConfig, model: nn.Module) -> Path:
-    path = resolve_base_checkpoint(cfg.base_run_dir, cfg.base_checkpoint)
-    model.load_state_dict(load_checkpoint(path)["model"])
+    path = load_base_weights(cfg, model)
     log.info("starting from base checkpoint %s (its optimizer/data state is not used)", path)
     return path
 
