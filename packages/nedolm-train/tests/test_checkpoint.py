@@ -96,7 +96,7 @@ def test_one_flipped_byte_anywhere_is_caught(tmp_path: Path) -> None:
     size = path.stat().st_size
     for offset in (0, size // 3, size // 2, size - 1):
         _flip_byte(path, offset)
-        with pytest.raises(CheckpointError, match="is corrupt: sha256 .* does not match"):
+        with pytest.raises(CheckpointError, match=r"is corrupt: sha256 .* does not match"):
             load_checkpoint(path)
         _flip_byte(path, offset)  # flipped back: valid again
         assert load_checkpoint(path)["step"] == 1

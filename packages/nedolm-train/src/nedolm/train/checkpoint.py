@@ -155,7 +155,12 @@ def save_checkpoint(
 
     def write(handle: Any) -> None:
         hashing = HashingWriter(handle)
-        torch.save(payload, hashing)
+        try:
+            torch.save(payload, hashing)
+        except RuntimeError as exc:
+            if hashing.error is None:
+                raise
+            raise hashing.error from exc
         atomic_write_bytes(checksum_path(path), f"{hashing.digest.hexdigest()}\n".encode())
 
     try:

@@ -24,17 +24,24 @@ def checksum_path(path: Path) -> Path:
 
 
 class HashingWriter:
-    """A write-only file wrapper that hashes (and counts) every byte on its way to ``handle``."""
+    """A write-only file wrapper that hashes every byte on its way to ``handle``.
+
+    Keeps the ``OSError`` of a failed write in ``error``: ``torch.save`` reports it as a bare
+    RuntimeError ("unexpected pos"), losing the errno that tells a full disk apart.
+    """
 
     def __init__(self, handle: IO[bytes]) -> None:
         self.handle = handle
         self.digest = hashlib.sha256()
-        self.written = 0
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         self.digest.update(data)
-        self.written += len(data)
-        return self.handle.write(data)
+        try:
+            return self.handle.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.handle.flush()
