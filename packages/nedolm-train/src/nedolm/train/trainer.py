@@ -33,8 +33,9 @@ def run(
 ) -> None:
     """Fine-tune per ``cfg`` in this process (one rank of a torchrun/SLURM job, or alone).
 
-    Returns normally when the run finished or stopped on request (SIGTERM, SIGUSR1,
-    ``max_hours``) after writing a checkpoint; raises on any failure, on every rank.
+    Rank 0 holds the run directory's lock throughout (``run_lock``). Returns normally when
+    the run finished or stopped on request (SIGTERM, SIGUSR1, ``max_hours``) after writing a
+    checkpoint; raises on any failure, on every rank (naming the lost ranks when peers died).
 
     Args:
         smoke_steps: run this many optimizer steps instead of the configured number.
