@@ -144,9 +144,13 @@ def save_checkpoint(
 ) -> Path:
     """Atomically write the checkpoint of ``step``, then rotate older ones.
 
-    Rotation keeps the ``keep_last`` highest steps, every multiple of ``keep_every`` (if > 0)
-    and always the file just written, so a reused run directory holding higher-numbered
-    checkpoints can never make a save delete its own result.
+    Rotation keeps the ``keep_last`` highest steps, every multiple of ``keep_every`` (if > 0),
+    always the file just written (so a reused run directory holding higher-numbered checkpoints
+    can never make a save delete its own result) and the newest valid checkpoint.
+
+    Raises:
+        CheckpointError: out of space or an I/O error (ENOSPC, EDQUOT, EFBIG, EIO); the message
+            names the file and the space needed; earlier checkpoints are untouched.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -186,7 +190,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not a NedoLM checkpoint (no 'model' entry)")
     return state
