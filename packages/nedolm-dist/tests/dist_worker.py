@@ -173,6 +173,9 @@ def wait_in_collective(info: nd.DistInfo, out_dir: Path, victim: str, collective
         ),
     }[collective]
     report: Report = {"waited": outcome(call), "error_at": time.time()}
+    if "error" in report["waited"]:  # the roll call that names the lost ranks
+        failure = nd.CollectiveError(report["waited"]["message"])
+        report["lost"] = outcome(lambda: nd.raise_if_peers_lost(failure))
     report["cleanup"] = outcome(nd.cleanup)
     return report
 

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from nedolm.dist.liveness import ROLL_CALL_S
+
 TIMEOUT_S = 10.0  # NEDOLM_DIST_TIMEOUT_S given to the group
 SLACK_S = 10.0  # process scheduling on busy CI cores
 
@@ -27,7 +29,7 @@ def test_killed_peer_becomes_error_on_survivors(
         time.sleep(1.0)  # survivors are now blocked inside sum_all
         group.kill(victim)
         killed_at = time.time()
-        group.wait(survivors, deadline_s=TIMEOUT_S + SLACK_S)
+        group.wait(survivors, deadline_s=TIMEOUT_S + SLACK_S + ROLL_CALL_S)
         for rank in survivors:
             report = group.report(rank)
             assert report["waited"]["error"] == "CollectiveError", report
@@ -36,6 +38,17 @@ def test_killed_peer_becomes_error_on_survivors(
             )
             assert report["error_at"] - killed_at < TIMEOUT_S + SLACK_S
             assert "error" not in report["cleanup"] and report["cleaned_up"] is True
+            lost = report["lost"]
+            assert lost["error"] == "PeerLostError", report
+            if victim == 0:  # a plain launch: rank 0 hosted the store, so the roll call fails too
+                assert lost["message"].startswith(
+                    f"rank {rank}: lost contact with the job: the rendezvous store is unreachable"
+                ), lost
+            else:  # a survivor that failed later than the roll call's grace may be named too
+                named = lost["message"].split("lost rank ", 1)[1].split(" (", 1)[0].split(", ")
+                assert (
+                    lost["message"].startswith(f"rank {rank}: lost rank ") and str(victim) in named
+                )
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
-"""Chaos: 20 ``kill -9`` at random instants of a run that checkpoints every step.
+"""Chaos: 20 ``kill -9`` at random instants of a run that checkpoints every step, a quarter of
+them inside a checkpoint write, then one flipped byte in the newest checkpoint.
 
-After every kill the newest checkpoint must load (never a partial file), every restart must
-resume, and the final weights must equal the uninterrupted reference run's, bitwise.
+After every kill the newest checkpoint must load (never a partial file under its final name),
+every restart must resume, the corrupt newest checkpoint must be skipped for the previous one,
+and the final weights and losses must equal the uninterrupted reference run's, bitwise.
 """
 
 from __future__ import annotations
@@ -9,38 +11,60 @@ from __future__ import annotations
 import random
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
+from nedolm.data.atomic import is_temporary
 from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 
 pytestmark = pytest.mark.slow
 KILLS = 20
 
 
-def test_twenty_random_kills_then_same_final_weights(harness, reference, make_config):
+def _wait_for_a_save_in_progress(job, checkpoints: Path) -> None:
+    """Return while a checkpoint's temporary file exists (the job is inside a save)."""
+    deadline = time.monotonic() + 120
+    while not (checkpoints.is_dir() and any(is_temporary(p) for p in checkpoints.iterdir())):
+        assert job.procs[0].poll() is None, job.output()[-3000:]
+        assert time.monotonic() < deadline, "no save seen in 120 s"
+        time.sleep(0.001)
+
+
+def test_twenty_random_kills_and_a_flipped_byte_then_same_final_weights(
+    harness, reference, make_config
+):
     config = make_config(train={"ckpt_interval": 1, "keep_last": 2})
+    run_dir = config.with_suffix("")
     rng = random.Random(20260907)
     steps_seen = []
     for kill in range(KILLS):
         job = harness.Job(config, env={"NEDOLM_TEST_DELAY": "data_fetch=0.05"})
-        if kill % 2:  # anywhere: imports, setup, validation, a step
+        if kill % 4 == 3:  # inside a save: mid-write, before the rename
+            _wait_for_a_save_in_progress(job, run_dir / "checkpoints")
+        elif kill % 2:  # anywhere: imports, setup, validation, a step
             time.sleep(rng.uniform(0.2, 4.0))
         else:  # once training runs (startup time varies with machine load): mid-step or mid-write
-            job.wait_for_step(harness.logged_step(job.run_dir) + 1)
+            job.wait_for_step(harness.logged_step(run_dir) + 1)
             time.sleep(rng.uniform(0.0, 0.3))
         job.signal(signal.SIGKILL)
         job.wait(timeout=60)
-        latest = latest_checkpoint(job.run_dir)
+        latest = latest_checkpoint(run_dir)
         if latest is not None:
             state = load_checkpoint(latest)  # complete and readable, or this raises
-            assert state["step"] == max(step for step, _ in list_checkpoints(job.run_dir))
+            assert state["step"] == max(step for step, _ in list_checkpoints(run_dir))
             steps_seen.append(state["step"])
-    harness.Job(config).wait_ok()
-    assert steps_seen and steps_seen[-1] < harness.MAX_STEPS, "kills never landed mid-run"
+    assert steps_seen and steps_seen[-1] < harness.MAX_STEPS - 1, "kills never landed mid-run"
     assert steps_seen == sorted(steps_seen)  # no resume ever went backwards
-    harness.assert_same_weights(
-        harness.final_weights(config.with_suffix("")), harness.final_weights(reference)
-    )
-    losses, expected = harness.step_losses(config.with_suffix("")), harness.step_losses(reference)
+
+    (previous, _), (_, newest_path) = list_checkpoints(run_dir)[-2:]
+    data = bytearray(newest_path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest_path.write_bytes(bytes(data))
+    harness.Job(config).wait_ok()
+    log = (run_dir / "train.log").read_text(encoding="utf-8")
+    assert f"skipping checkpoint: {newest_path} is corrupt: sha256 " in log
+    assert f"resuming from {run_dir / 'checkpoints' / f'step-{previous:08d}.pt'}" in log
+    harness.assert_same_weights(harness.final_weights(run_dir), harness.final_weights(reference))
+    losses, expected = harness.step_losses(run_dir), harness.step_losses(reference)
     assert losses == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -24,6 +25,8 @@ from nedolm.train.checkpoint import (
     save_model_archive,
     write_run_metadata,
 )
+from nedolm.train.checksum import checksum_path
+from nedolm.train.run_lock import acquire_run_lock, release_run_lock
 
 
 def _payload(step: int) -> dict[str, object]:
@@ -53,12 +56,18 @@ def test_rotation_never_deletes_the_newest_in_a_reused_run_dir(tmp_path: Path) -
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 60]
 
 
-def test_temp_files_are_ignored_and_cleaned(tmp_path: Path) -> None:
+def test_temp_files_are_ignored_and_cleaned_by_the_lock_holder_only(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 1, _payload(1), keep_last=3, keep_every=0)
     stale = checkpoint_path(tmp_path, 2).with_name(".step-00000002.pt.tmp-999")
     stale.write_bytes(b"half a checkpoint")
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
     save_checkpoint(tmp_path, 3, _payload(3), keep_last=3, keep_every=0)
+    assert stale.exists()  # without the run lock it may be another live job's file
+    acquire_run_lock(tmp_path)
+    try:
+        save_checkpoint(tmp_path, 4, _payload(4), keep_last=3, keep_every=0)
+    finally:
+        release_run_lock(tmp_path)
     assert not stale.exists()
 
 
@@ -66,11 +75,62 @@ def test_unreadable_checkpoint_is_refused_naming_it(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, 7, _payload(7), keep_last=3, keep_every=0)
     data = bytearray(path.read_bytes())
     path.write_bytes(bytes(data[: len(data) // 2]))
-    with pytest.raises(CheckpointError, match=r"step-00000007\.pt"):
+    with pytest.raises(CheckpointError, match=r"step-00000007\.pt is corrupt: sha256"):
+        load_checkpoint(path)
+    checksum_path(path).unlink()  # no checksum (e.g. a pretraining base): torch.load decides
+    with pytest.raises(CheckpointError, match=r"cannot read checkpoint .*step-00000007\.pt"):
         load_checkpoint(path)
     torch.save({"not": "a checkpoint"}, path)
     with pytest.raises(CheckpointError, match="no 'model' entry"):
         load_checkpoint(path)
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_one_flipped_byte_anywhere_is_caught(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, 1, _payload(1), keep_last=3, keep_every=0)
+    size = path.stat().st_size
+    for offset in (0, size // 3, size // 2, size - 1):
+        _flip_byte(path, offset)
+        with pytest.raises(CheckpointError, match=r"is corrupt: sha256 .* does not match"):
+            load_checkpoint(path)
+        _flip_byte(path, offset)  # flipped back: valid again
+        assert load_checkpoint(path)["step"] == 1
+
+
+def test_resume_skips_invalid_newest_checkpoints_naming_each(tmp_path: Path, caplog) -> None:
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, _payload(step), keep_last=5, keep_every=0)
+    _flip_byte(checkpoint_path(tmp_path, 4), 100)
+    three = checkpoint_path(tmp_path, 3)
+    three.write_bytes(three.read_bytes()[:50])  # truncated
+    torch.save({"weights": 1}, checkpoint_path(tmp_path, 2))  # wrong keys, no checksum
+    checksum_path(checkpoint_path(tmp_path, 2)).unlink()
+    with caplog.at_level(logging.WARNING, logger="nedolm.train.checkpoint"):
+        assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3
+    assert "skipping checkpoint: " in warnings[0] and "step-00000004.pt is corrupt" in warnings[0]
+    assert "step-00000003.pt is corrupt" in warnings[1]
+    assert "step-00000002.pt is not a NedoLM checkpoint (no 'model' entry)" in warnings[2]
+    checkpoint_path(tmp_path, 1).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="no valid checkpoint in ") as refused:
+        latest_checkpoint(tmp_path)
+    for step in (1, 2, 3, 4):
+        assert f"step-{step:08d}.pt" in str(refused.value)
+
+
+def test_rotation_never_deletes_the_newest_valid_checkpoint(tmp_path: Path) -> None:
+    for step in (50, 60):
+        save_checkpoint(tmp_path, step, _payload(step), keep_last=2, keep_every=0)
+    _flip_byte(checkpoint_path(tmp_path, 60), 10)  # a reused dir whose highest step is corrupt
+    save_checkpoint(tmp_path, 3, _payload(3), keep_last=1, keep_every=0)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 50, 60]
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 50)
 
 
 def test_archive_and_metadata(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from nedolm.dist.group import (
     is_main_rank,
     setup_distributed,
 )
+from nedolm.dist.liveness import PeerLostError, lost_ranks, raise_if_peers_lost
 from nedolm.dist.log import MainRankFilter
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "DistInfo",
     "LaunchEnv",
     "MainRankFilter",
+    "PeerLostError",
     "RankError",
     "all_rank_call",
     "barrier",
@@ -50,7 +52,9 @@ __all__ = [
     "get_world_size",
     "is_distributed",
     "is_main_rank",
+    "lost_ranks",
     "main_rank_call",
+    "raise_if_peers_lost",
     "read_launch_env",
     "setup_distributed",
     "sum_all",

@@ -9,25 +9,34 @@ Layout of a run directory::
 Every file is written to a hidden temporary name in its final directory, fsynced, renamed over
 its final name and the directory fsynced: a name matching ``step-*.pt`` is therefore always a
 complete file, and a ``kill -9`` leaves at most a ``.tmp`` file that readers ignore and the next
-save removes. Payloads hold only tensors and plain Python values, so every load uses
-``torch.load(weights_only=True)`` and a checkpoint can never execute code.
+save by the run directory's lock holder (``run_lock``) removes. Payloads hold only tensors and
+plain Python values, so every load uses ``torch.load(weights_only=True)`` and a checkpoint can
+never execute code.
 
-A checkpoint that exists under its final name but cannot be read (storage corruption, not an
-interrupted write) is refused with an error naming it rather than silently skipped: falling back
-would hide a storage fault and quietly lose steps. Delete the file to resume from the previous one.
+Each checkpoint carries a SHA-256 sidecar (``checksum``), so storage corruption (a node that
+died while the filesystem flushed, flipped bytes) is caught on read. On resume the newest
+checkpoint that fails to read or validate is skipped with a warning naming it and why, and the
+newest valid one is used; with none valid the run refuses, listing each file and its reason.
+Rotation never deletes the newest valid checkpoint. A save that fails for lack of space (or an
+I/O error) leaves the previous checkpoints as they were and says how much space it needed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nedolm.data.atomic import atomic_write, atomic_write_bytes, is_temporary
+from nedolm.train.checksum import HashingWriter, checksum_mismatch, checksum_path
+from nedolm.train.run_lock import holds_run_lock
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +44,7 @@ CHECKPOINT_DIR = "checkpoints"
 ARCHIVE_DIR = "archives"
 METADATA_FILE = "run_metadata.json"
 _CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
+_SPACE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
 class CheckpointError(RuntimeError):
@@ -60,9 +70,29 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint with the highest step under ``run_dir``, or None."""
-    found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    """The newest checkpoint under ``run_dir`` that reads and validates, or None if there is none.
+
+    Newer files that fail (truncated, flipped bytes, not a checkpoint) are skipped with a
+    warning naming each and why.
+
+    Raises:
+        CheckpointError: checkpoints exist but none is valid; the message lists every file
+            and its reason.
+    """
+    rejected = []
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            load_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s; trying the previous one", exc)
+            rejected.append(str(exc))
+            continue
+        return path
+    if rejected:
+        raise CheckpointError(
+            f"no valid checkpoint in {Path(run_dir) / CHECKPOINT_DIR}: " + " | ".join(rejected)
+        )
+    return None
 
 
 def _rotate(run_dir: Path, written_step: int, keep_last: int, keep_every: int) -> None:
@@ -70,17 +100,43 @@ def _rotate(run_dir: Path, written_step: int, keep_last: int, keep_every: int) -
     keep = {step for step, _ in found[-keep_last:]} | {written_step}
     if keep_every > 0:
         keep |= {step for step, _ in found if step % keep_every == 0}
+    # A reused run directory may hold higher, corrupt steps: keep the newest one that loads.
+    newest_valid = next(
+        (step for step, path in reversed(found) if step == written_step or _loads(path)), None
+    )
+    keep.add(newest_valid)
     for step, path in found:
         if step not in keep:
             path.unlink(missing_ok=True)
+            checksum_path(path).unlink(missing_ok=True)
 
 
-def _remove_stale_tmp(directory: Path) -> None:
-    # Only rank 0 writes here, one file at a time: any temp file is a leftover of a killed job.
-    if directory.is_dir():
+def _loads(path: Path) -> bool:
+    try:
+        load_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _remove_stale_tmp(run_dir: Path, directory: Path) -> None:
+    # Only the lock holder writes here, one file at a time: any temp file (or checksum without
+    # its checkpoint) is a leftover of a killed job. Without the lock it may be another job's.
+    if directory.is_dir() and holds_run_lock(run_dir):
         for path in directory.iterdir():
-            if is_temporary(path):
+            orphan = path.name.endswith(".pt.sha256") and not path.with_suffix("").exists()
+            if is_temporary(path) or orphan:
                 path.unlink(missing_ok=True)
+
+
+def _payload_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_payload_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_payload_bytes(v) for v in value)
+    return 0
 
 
 def save_checkpoint(
@@ -88,27 +144,54 @@ def save_checkpoint(
 ) -> Path:
     """Atomically write the checkpoint of ``step``, then rotate older ones.
 
-    Rotation keeps the ``keep_last`` highest steps, every multiple of ``keep_every`` (if > 0)
-    and always the file just written, so a reused run directory holding higher-numbered
-    checkpoints can never make a save delete its own result.
+    Rotation keeps the ``keep_last`` highest steps, every multiple of ``keep_every`` (if > 0),
+    always the file just written (so a reused run directory holding higher-numbered checkpoints
+    can never make a save delete its own result) and the newest valid checkpoint.
+
+    Raises:
+        CheckpointError: out of space or an I/O error (ENOSPC, EDQUOT, EFBIG, EIO); the message
+            names the file and the space needed; earlier checkpoints are untouched.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     path = checkpoint_path(run_dir, step)
-    _remove_stale_tmp(path.parent)
-    atomic_write(path, lambda handle: torch.save(payload, handle))
+    _remove_stale_tmp(Path(run_dir), path.parent)
+
+    def write(handle: Any) -> None:
+        hashing = HashingWriter(handle)
+        try:
+            torch.save(payload, hashing)
+        except RuntimeError as exc:
+            if hashing.error is None:
+                raise
+            raise hashing.error from exc
+        atomic_write_bytes(checksum_path(path), f"{hashing.digest.hexdigest()}\n".encode())
+
+    try:
+        atomic_write(path, write)
+    except OSError as exc:
+        if exc.errno not in _SPACE_ERRORS:
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise CheckpointError(
+            f"cannot write checkpoint {path}: {os.strerror(exc.errno)}: it needs about "
+            f"{_payload_bytes(payload) / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free there; "
+            "the previous checkpoints are intact: free space and restart to resume"
+        ) from exc
     _rotate(Path(run_dir), step, keep_last, keep_every)
     return path
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint or archive on CPU (memory-mapped), refusing unreadable files."""
+    """Read a checkpoint or archive on CPU (memory-mapped), refusing corrupt or unreadable files."""
+    mismatch = checksum_mismatch(path)
+    if mismatch is not None:
+        raise CheckpointError(f"{path} is corrupt: {mismatch}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise CheckpointError(
-            f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}. "
-            "Delete it to resume from the previous checkpoint."
+            f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not a NedoLM checkpoint (no 'model' entry)")

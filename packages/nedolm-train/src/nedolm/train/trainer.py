@@ -6,10 +6,18 @@ import gc
 import logging
 import traceback
 
-from nedolm.dist import DistInfo, all_rank_call, cleanup, main_rank_call, setup_distributed
+from nedolm.dist import (
+    DistInfo,
+    all_rank_call,
+    cleanup,
+    main_rank_call,
+    raise_if_peers_lost,
+    setup_distributed,
+)
 from nedolm.train.config import SFTConfig
 from nedolm.train.loop import Trainer
 from nedolm.train.metrics import MetricsWriter, setup_logging
+from nedolm.train.run_lock import run_dir_lock
 from nedolm.train.setup import prepare_run
 from nedolm.train.signals import StopRequest
 
@@ -25,8 +33,9 @@ def run(
 ) -> None:
     """Fine-tune per ``cfg`` in this process (one rank of a torchrun/SLURM job, or alone).
 
-    Returns normally when the run finished or stopped on request (SIGTERM, SIGUSR1,
-    ``max_hours``) after writing a checkpoint; raises on any failure, on every rank.
+    Rank 0 holds the run directory's lock throughout (``run_lock``). Returns normally when
+    the run finished or stopped on request (SIGTERM, SIGUSR1, ``max_hours``) after writing a
+    checkpoint; raises on any failure, on every rank (naming the lost ranks when peers died).
 
     Args:
         smoke_steps: run this many optimizer steps instead of the configured number.
@@ -37,9 +46,11 @@ def run(
     stop = stop or StopRequest().install()
     info = setup_distributed()
     try:
-        _train(cfg, info, stop, smoke_steps=smoke_steps, compile=compile)
+        with run_dir_lock(info, cfg.run_dir):
+            _train(cfg, info, stop, smoke_steps=smoke_steps, compile=compile)
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)  # frames would keep the DDP model alive
+        raise_if_peers_lost(exc)
         raise
     finally:
         # The DDP reducer (and loader iterators) must die before their process group: a

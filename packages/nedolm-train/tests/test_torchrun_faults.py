@@ -1,0 +1,126 @@
+"""Faults under the real launcher (``python -m torch.distributed.run``, 2 gloo ranks):
+a rank killed mid-step is named by its survivor, a SIGTERM to torchrun stops every rank on one
+consistent checkpoint, and the resume reproduces the uninterrupted 2-rank run exactly."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+
+pytestmark = pytest.mark.slow
+COLLECTIVE_TIMEOUT_S = 30
+SLOW_FETCH = {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}  # room to act mid-run; no numeric effect
+SETTINGS = {"train": {"grad_accum_steps": 1, "max_steps": 8}}
+
+
+class Torchrun:
+    """``torchrun --standalone --nproc_per_node N -m nedolm.train CONFIG``, output to a file."""
+
+    def __init__(self, config: Path, nproc: int = 2, env: dict[str, str] | None = None) -> None:
+        self.run_dir = config.with_suffix("")
+        self.log = config.parent / f"{config.stem}-torchrun-{time.monotonic_ns()}.log"
+        penv = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "NEDOLM_DIST_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S),
+            **(env or {}),
+        }
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc_per_node", str(nproc), "-m", "nedolm.train", str(config)]
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=penv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(encoding="utf-8", errors="replace")
+
+    def rank_pid(self, rank: int) -> int:
+        """The worker process of ``rank`` (a direct child of the torchrun agent)."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        for pid in map(int, children.split()):
+            with contextlib.suppress(FileNotFoundError):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if f"RANK={rank}".encode() in environ:
+                    return pid
+        raise AssertionError(f"no worker with RANK={rank} under torchrun {self.proc.pid}")
+
+    def wait_for_step(self, logged_step, step: int) -> None:
+        deadline = time.monotonic() + 180
+        while logged_step(self.run_dir) < step:
+            assert self.proc.poll() is None, self.output()[-3000:]
+            assert time.monotonic() < deadline, f"no step {step} in 180 s"
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            pytest.fail(f"torchrun hung for {timeout}s:\n{self.output()[-3000:]}")
+
+    def wait_ok(self) -> None:
+        assert self.wait() == 0, self.output()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def reference_2_ranks(tmp_path_factory, corpus, base_run, harness) -> Path:
+    """The uninterrupted 2-rank run that every 2-rank resume must reproduce exactly."""
+    root = tmp_path_factory.mktemp("reference2")
+    config = harness.write_config(root / "ref2.yaml", corpus, base_run, root / "ref2", **SETTINGS)
+    Torchrun(config).wait_ok()
+    return root / "ref2"
+
+
+def test_a_rank_killed_mid_step_is_named_by_the_survivor(harness, make_config) -> None:
+    config = make_config("killed", train={"grad_accum_steps": 1, "max_steps": 40})
+    job = Torchrun(config, env=SLOW_FETCH)
+    job.wait_for_step(harness.logged_step, 2)
+    os.kill(job.rank_pid(1), signal.SIGKILL)
+    killed = time.monotonic()
+    assert job.wait() != 0
+    assert time.monotonic() - killed < COLLECTIVE_TIMEOUT_S
+    assert "rank 0: lost rank 1 (no answer within 5 s" in job.output(), job.output()[-4000:]
+
+
+def test_sigterm_to_torchrun_stops_every_rank_on_one_checkpoint_and_resumes_exactly(
+    harness, reference_2_ranks, make_config
+) -> None:
+    config = make_config("stopped", **SETTINGS)
+    job = Torchrun(config, env=SLOW_FETCH)
+    job.wait_for_step(harness.logged_step, 3)
+    os.kill(job.proc.pid, signal.SIGTERM)  # torchrun itself, as a scheduler would
+    signalled = time.monotonic()
+    code = job.wait()
+    out = job.output()
+    # torchrun forwards SIGTERM to the workers, waits up to 30 s for them (then SIGKILLs) and
+    # exits 1 with its own SignalException: that status is torchrun's, not the job's.
+    assert code == 1 and "SignalException: Process" in out, out[-4000:]
+    assert time.monotonic() - signalled < 25, "the ranks did not exit on their own"
+    [(step, path)] = list_checkpoints(job.run_dir)
+    for rank in (0, 1):  # every rank agreed on the same stop step, then returned normally
+        assert f"[rank {rank}] WARNING stop requested (SIGTERM): stopped at step {step}" in out
+    state = load_checkpoint(path)
+    assert 3 <= step < 8 and len(state["ranks"]) == 2
+    assert state["progress"]["step"] == step
+
+    Torchrun(config).wait_ok()  # same world size: exactly the uninterrupted 2-rank run
+    assert harness.step_losses(job.run_dir) == harness.step_losses(reference_2_ranks)
+    harness.assert_same_weights(
+        harness.final_weights(job.run_dir), harness.final_weights(reference_2_ranks)
+    )
+
+    single = Torchrun(config, nproc=1)  # another world size: refused, naming both
+    assert single.wait() != 0
+    assert "execution.world_size: checkpoint 2 != now 1" in single.output()
+    assert load_checkpoint(latest_checkpoint(job.run_dir))["step"] == 8
