@@ -3,6 +3,7 @@
 Layout of a run directory::
 
     checkpoints/step-00000100.pt    full training state (model, optimizer, data cursor, RNG, ...)
+    checkpoints/step-00000100/      the same, sharded (FSDP; see nedolm.train.sharded)
     archives/model-00000100.pt      weights + metadata only, on a wall-clock cadence
     run_metadata.json               one entry per start of the job
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 ARCHIVE_DIR = "archives"
 METADATA_FILE = "run_metadata.json"
-_CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
+_CHECKPOINT_NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
 
 
 class CheckpointError(RuntimeError):
@@ -47,7 +49,10 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints as (step, path), oldest first; temporary files are not listed."""
+    """Complete checkpoints (files and sharded directories) as (step, path), oldest first.
+
+    Temporaries are hidden names (``.step-...``), which never match.
+    """
     directory = Path(run_dir) / CHECKPOINT_DIR
     if not directory.is_dir():
         return []
@@ -65,13 +70,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _rotate(run_dir: Path, written_step: int, keep_last: int, keep_every: int) -> None:
+def rotate_checkpoints(run_dir: Path, written_step: int, keep_last: int, keep_every: int) -> None:
+    """Delete all but the newest ``keep_last``, multiples of ``keep_every`` and ``written_step``."""
     found = list_checkpoints(run_dir)
     keep = {step for step, _ in found[-keep_last:]} | {written_step}
     if keep_every > 0:
         keep |= {step for step, _ in found if step % keep_every == 0}
     for step, path in found:
-        if step not in keep:
+        if step in keep:
+            continue
+        if path.is_dir():  # a sharded checkpoint
+            shutil.rmtree(path)
+        else:
             path.unlink(missing_ok=True)
 
 
@@ -97,7 +107,7 @@ def save_checkpoint(
     path = checkpoint_path(run_dir, step)
     _remove_stale_tmp(path.parent)
     atomic_write(path, lambda handle: torch.save(payload, handle))
-    _rotate(Path(run_dir), step, keep_last, keep_every)
+    rotate_checkpoints(Path(run_dir), step, keep_last, keep_every)
     return path
 
 
