@@ -30,7 +30,13 @@ from torch import nn
 from nedolm.data.loader import SFTLoader
 from nedolm.train.checkpoint import load_checkpoint
 from nedolm.train.parallel import is_sharded
-from nedolm.train.sharded import load_full_state, load_sharded, read_payload, save_sharded
+from nedolm.train.sharded import (
+    load_full_state,
+    load_sharded,
+    load_sharded_model,
+    read_payload,
+    save_sharded,
+)
 
 CHECKPOINT_FORMAT_VERSION = 2
 _LEGACY_FORMAT_VERSION = 1
@@ -158,6 +164,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if Path(path).is_dir():
         return read_payload(path)
     return upgrade_checkpoint(load_checkpoint(path), str(path))
+
+
+def load_model_weights(path: Path, checkpoint: dict[str, Any], model: nn.Module) -> None:
+    """Load a checkpoint's weights into a plain model (export, generation), either layout;
+    ``checkpoint`` is ``read_checkpoint(path)``."""
+    if Path(path).is_dir():
+        load_sharded_model(path, model)
+    else:
+        model.load_state_dict(checkpoint["model"])
 
 
 def _check_version(state: dict[str, Any]) -> None:
