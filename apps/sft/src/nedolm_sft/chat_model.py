@@ -24,7 +24,8 @@ from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN
 from nedolm.data.render import ConversationLayout, LayoutError, chat_template
 from nedolm.data.tokenizer import TextTokenizer, load_tokenizer, read_tokenizer_bytes
 from nedolm.model import ModelConfig, MorphTransformer, build_model, export_hf, generate, load_hf
-from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
+from nedolm.train.checkpoint import latest_checkpoint
+from nedolm.train.state import load_model_weights, read_checkpoint
 
 EXPORT_SIDECAR = "nedolm"
 """Export subdirectory with the corpus specials and the original tokenizer file."""
@@ -100,13 +101,13 @@ def _load_run(run_dir: Path) -> ChatModel:
             f"{run_dir} holds no checkpoint yet: train first (nedolm-sft run CONFIG) or point "
             "at an export directory"
         )
-    payload = load_checkpoint(checkpoint)
+    payload = read_checkpoint(checkpoint)  # a file, or a sharded (FSDP) directory
     if "sft_config" not in payload:
         raise click.ClickException(f"{checkpoint} is not an SFT checkpoint (no sft_config)")
     sft = payload["sft_config"]
     trained = payload["contract"]["training"]["recipe"]["model_config"]
     model = build_model(ModelConfig(**{**trained, "morph_dispatch": "sparse", "attn_impl": "sdpa"}))
-    model.load_state_dict(payload["model"])
+    load_model_weights(checkpoint, payload, model)
     data_dir = Path(sft["data_dir"])
     specials = read_special_tokens(data_dir)
     tokenizer = load_tokenizer(data_dir / specials.tokenizer.file)

@@ -4,6 +4,9 @@ The stream is a pure function of (plan, seed, rank, world_size, micro_batch_size
 
 * every epoch ``e`` shuffles all windows of the given shards with
   ``np.random.default_rng([seed, e]).permutation``; rank ``r`` takes ``perm[r::world_size]``;
+* after an elastic resume (another world size, micro-batch or worker count) the stream starts
+  with a *prefix*: the windows of the interrupted epoch that no old rank consumed, dealt
+  ``prefix[r::world_size]``; epochs then continue from the next one (``WindowStream``);
 * a rank's epochs are concatenated into one endless sequence of windows, cut into batches of
   ``micro_batch_size`` (a batch may straddle two epochs: epochs continue seamlessly);
 * with ``num_workers`` workers, worker ``w`` builds batches ``start + w``,
@@ -121,6 +124,101 @@ class _ShardWindows:
         return self.span_start[m0:m1], self.span_len[m0:m1]
 
 
+def epoch_permutation(seed: int, epoch: int, total_windows: int) -> np.ndarray:
+    """The global window order of ``epoch``: a pure function of the seed."""
+    return np.random.default_rng([seed, epoch]).permutation(total_windows)
+
+
+class WindowStream:
+    """Which global window one rank trains at each position of its endless stream.
+
+    The stream is ``prefix[rank::world_size]`` (empty unless resumed elastically), then
+    epochs ``first_epoch, first_epoch + 1, ...``, each ``perm(e)[rank::world_size]``.
+    Positions in the prefix carry the epoch label ``first_epoch - 1`` (the epoch they finish)
+    and their index in this rank's share of the prefix as cursor.
+    """
+
+    def __init__(
+        self,
+        total_windows: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        prefix: np.ndarray | None = None,
+        first_epoch: int = 0,
+    ) -> None:
+        self.total_windows, self.seed = total_windows, seed
+        self.rank, self.world_size = rank, world_size
+        self.prefix = np.zeros(0, np.int64) if prefix is None else np.asarray(prefix, np.int64)
+        self.first_epoch = first_epoch
+        self.share = self.prefix[rank::world_size]
+        self.per_epoch = len(range(rank, total_windows, world_size))
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def epoch_windows(self, epoch: int) -> np.ndarray:
+        """Global window ids this rank trains in ``epoch``, in order (cached: two epochs)."""
+        if epoch not in self._epochs:
+            perm = epoch_permutation(self.seed, epoch, self.total_windows)
+            self._epochs = {e: w for e, w in self._epochs.items() if e == epoch - 1}
+            self._epochs[epoch] = perm[self.rank :: self.world_size]
+        return self._epochs[epoch]
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(epoch label, cursor) of each stream position."""
+        after = positions - len(self.share)
+        in_prefix = after < 0
+        epochs = np.where(
+            in_prefix, self.first_epoch - 1, self.first_epoch + after // self.per_epoch
+        )
+        return epochs, np.where(in_prefix, positions, after % self.per_epoch)
+
+    def position(self, epoch: int, cursor: int) -> int:
+        """The stream position ``locate`` maps to (``epoch``, ``cursor``)."""
+        if epoch < self.first_epoch:
+            return cursor
+        return len(self.share) + (epoch - self.first_epoch) * self.per_epoch + cursor
+
+    def windows(self, positions: np.ndarray) -> np.ndarray:
+        """Global window id at each stream position."""
+        epochs, cursors = self.locate(positions)
+        windows = np.empty(len(positions), np.int64)
+        in_prefix = epochs < self.first_epoch
+        windows[in_prefix] = self.share[cursors[in_prefix]]
+        for epoch in np.unique(epochs[~in_prefix]).tolist():
+            rows = epochs == epoch
+            windows[rows] = self.epoch_windows(epoch)[cursors[rows]]
+        return windows
+
+
+def remaining_windows(
+    streams: Sequence[WindowStream], consumed: Sequence[int]
+) -> tuple[np.ndarray, int]:
+    """What an elastic resume re-deals: (windows no rank consumed, first epoch after them).
+
+    ``streams[r]`` is old rank ``r``'s stream and ``consumed[r]`` how many of its positions
+    were trained. Every segment some rank has entered (the prefix, then each epoch up to the
+    furthest rank's) contributes its unconsumed windows in segment order, so each window is
+    still trained exactly once per epoch.
+    """
+    head, world_size = streams[0], len(streams)
+    pairs = list(zip(streams, consumed, strict=True))
+    last = max(int(s.locate(np.array([n]))[0][0]) for s, n in pairs)
+    segments = [(head.prefix, [min(n, len(s.share)) for s, n in pairs])]
+    for epoch in range(head.first_epoch, last + 1):
+        skip = epoch - head.first_epoch
+        counts = [
+            int(np.clip(n - len(s.share) - skip * s.per_epoch, 0, s.per_epoch)) for s, n in pairs
+        ]
+        segments.append((epoch_permutation(head.seed, epoch, head.total_windows), counts))
+    pieces = []
+    for windows, counts in segments:
+        taken = np.zeros(len(windows), bool)
+        for rank, count in enumerate(counts):
+            taken[np.arange(rank, len(windows), world_size)[:count]] = True
+        pieces.append(windows[~taken])
+    return np.concatenate(pieces).astype(np.int64), max(head.first_epoch, last + 1)
+
+
 class SFTWindowDataset(IterableDataset):
     """This rank's endless stream of micro-batches (see the module docstring)."""
 
@@ -157,7 +255,8 @@ class SFTWindowDataset(IterableDataset):
         counts = [s.plan.counts.windows for s in self.shards]
         self.shard_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.total_windows = int(self.shard_offsets[-1])
-        self.windows_per_epoch = len(range(rank, self.total_windows, world_size))
+        self.stream = WindowStream(self.total_windows, seed, rank, world_size)
+        self.windows_per_epoch = self.stream.per_epoch
         if self.windows_per_epoch == 0:
             raise ValueError(
                 f"rank {rank} of {world_size} gets no window: the shards hold only "
@@ -166,7 +265,6 @@ class SFTWindowDataset(IterableDataset):
         self.fingerprint = plan_fingerprint(self.shards)
         self.start_batch = 0  # set by SFTLoader.load_state_dict on resume
         self._windows: list[_ShardWindows] | None = None  # built lazily in each process
-        self._epochs: dict[int, np.ndarray] = {}
         self.layout = BatchLayout(micro_batch_size, seq_len + 1)
 
     def settings(self) -> dict[str, int]:
@@ -205,7 +303,7 @@ class SFTWindowDataset(IterableDataset):
                     f"resume state row for worker {key} names worker {state['worker']}, "
                     f"not one of rank {self.rank}'s workers {list(own)}"
                 )
-            position = state["epoch"] * self.windows_per_epoch + state["cursor"]
+            position = self.stream.position(state["epoch"], state["cursor"])
             batch = state["batch"]
             if not batch * self.micro_batch_size < position <= (batch + 1) * self.micro_batch_size:
                 raise LoaderStateError(
@@ -230,23 +328,20 @@ class SFTWindowDataset(IterableDataset):
             batch += workers
 
     def epoch_windows(self, epoch: int) -> np.ndarray:
-        """Global window ids this rank trains in ``epoch``, in order (cached: two epochs)."""
-        if epoch not in self._epochs:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.total_windows)
-            self._epochs = {e: w for e, w in self._epochs.items() if e == epoch - 1}
-            self._epochs[epoch] = perm[self.rank :: self.world_size]
-        return self._epochs[epoch]
+        """Global window ids this rank trains in ``epoch``, in order."""
+        return self.stream.epoch_windows(epoch)
+
+    def set_stream(self, prefix: np.ndarray, first_epoch: int) -> None:
+        """Start with an elastic resume's ``prefix``, then epochs from ``first_epoch``."""
+        self.stream = WindowStream(
+            self.total_windows, self.seed, self.rank, self.world_size, prefix, first_epoch
+        )
 
     def _batch(self, batch: int) -> torch.Tensor:
         """Batch ``batch`` of this rank, packed into one buffer (see ``BatchLayout``)."""
         size, row_len = self.micro_batch_size, self.seq_len + 1
         positions = np.arange(batch * size, (batch + 1) * size, dtype=np.int64)
-        epochs = positions // self.windows_per_epoch
-        cursors = positions % self.windows_per_epoch
-        windows = np.empty(size, np.int64)
-        for epoch in np.unique(epochs).tolist():
-            rows = epochs == epoch
-            windows[rows] = self.epoch_windows(epoch)[cursors[rows]]
+        windows = self.stream.windows(positions)
         shard_of = np.searchsorted(self.shard_offsets, windows, side="right") - 1
 
         packed = torch.empty(self.layout.nbytes, dtype=torch.uint8)
@@ -268,10 +363,8 @@ class SFTWindowDataset(IterableDataset):
         mask.reshape(-1)[targets] = True
         trainable_tokens[:] = mask.sum(axis=1)
 
-        after = positions + 1
         state[:, 0] = self.rank * max(1, self.num_workers) + batch % max(1, self.num_workers)
-        state[:, 1] = after // self.windows_per_epoch
-        state[:, 2] = after % self.windows_per_epoch
+        state[:, 1], state[:, 2] = self.stream.locate(positions + 1)
         state[:, 3] = batch
         state[:, 4:] = [self.settings()[name] for name in STATE_COLUMNS[4:]]
         return packed
@@ -356,6 +449,90 @@ class SFTLoader:
             raise RuntimeError("SFTLoader.load_state_dict must be called before iterating")
         self.dataset.start_batch = self.dataset.resume_batch(state)
         self._rows = {str(k): [int(v) for v in row] for k, row in state.items()}
+
+    def stream_state_dict(self) -> dict[str, torch.Tensor | int]:
+        """The stream's shape, the same on every rank: an elastic prefix (may be empty) and
+        the epoch after it."""
+        stream = self.dataset.stream
+        return {"prefix": torch.from_numpy(stream.prefix.copy()), "first_epoch": stream.first_epoch}
+
+    def load_stream_state_dict(self, state: Mapping[str, torch.Tensor | int]) -> None:
+        """Restore ``stream_state_dict`` (before ``load_state_dict``)."""
+        if self._started:
+            raise RuntimeError("SFTLoader.load_stream_state_dict must be called before iterating")
+        prefix = torch.as_tensor(state["prefix"]).numpy().astype(np.int64)
+        self.dataset.set_stream(prefix, int(state["first_epoch"]))
+
+    def load_elastic_state_dict(
+        self,
+        ranks: Sequence[Mapping[int | str, Sequence[int]]],
+        stream: Mapping[str, torch.Tensor | int],
+    ) -> None:
+        """Continue a stream saved by another topology: ``ranks[r]`` is old rank ``r``'s
+        ``state_dict``, ``stream`` its ``stream_state_dict``.
+
+        The windows no old rank consumed are re-dealt over this loader's ranks as the prefix
+        of a fresh stream (every rank computes the same), then epochs continue.
+
+        Raises:
+            LoaderStateError: the old stream used another corpus plan, seq_len or seed.
+        """
+        if self._started:
+            raise RuntimeError("SFTLoader.load_elastic_state_dict must be called before iterating")
+        dataset, consumed = self.dataset, []
+        expected = dataset.settings()
+        for rank, rows in enumerate(ranks):
+            states = [
+                dict(zip(STATE_COLUMNS, (int(v) for v in row), strict=True))
+                for row in rows.values()
+            ]
+            if not states:
+                raise LoaderStateError(f"resume state of old rank {rank} holds no consumed batch")
+            for name in ("seq_len", "seed", "fingerprint"):
+                if any(st[name] != expected[name] for st in states):
+                    raise LoaderStateError(
+                        f"elastic resume refused: the state was saved with {_WHAT[name]}="
+                        f"{states[0][name]}, this loader has {expected[name]}"
+                    )
+            if any(st["world_size"] != len(ranks) for st in states):
+                raise LoaderStateError(
+                    f"resume state of old rank {rank} names world_size {states[0]['world_size']}, "
+                    f"but {len(ranks)} ranks were saved"
+                )
+            last = max(states, key=lambda st: st["batch"])
+            consumed.append((last["batch"] + 1) * last["micro_batch_size"])
+        old = WindowStream(dataset.total_windows, dataset.seed, 0, len(ranks))
+        saved_prefix = torch.as_tensor(stream["prefix"]).numpy().astype(np.int64)
+        streams = [
+            WindowStream(
+                old.total_windows, old.seed, r, len(ranks), saved_prefix, int(stream["first_epoch"])
+            )
+            for r in range(len(ranks))
+        ]
+        prefix, first_epoch = remaining_windows(streams, consumed)
+        dataset.set_stream(prefix, first_epoch)
+        dataset.start_batch = 0
+        self._rows = {}
+
+    def matches(self, rows: Mapping[int | str, Sequence[int]], saved_world_size: int) -> bool:
+        """True when ``rows`` (this rank's saved state) came from this loader's topology:
+        the same world size, worker count and micro-batch size."""
+        if saved_world_size != self.dataset.world_size or not rows:
+            return False
+        expected = self.dataset.settings()
+        names = ("world_size", "num_workers", "micro_batch_size")
+        return all(
+            int(row[STATE_COLUMNS.index(name)]) == expected[name]
+            for row in rows.values()
+            for name in names
+        )
+
+    def trained_windows(self, batch: Mapping[str, torch.Tensor]) -> np.ndarray:
+        """Global window id of each row of a batch this loader produced (for audits)."""
+        state = batch["state"].numpy()
+        stream = self.dataset.stream
+        after = [stream.position(int(e), int(c)) for e, c in state[:, 1:3]]
+        return stream.windows(np.asarray(after, np.int64) - 1)
 
 
 def build_sft_loader(

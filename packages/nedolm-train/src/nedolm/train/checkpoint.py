@@ -3,6 +3,7 @@
 Layout of a run directory::
 
     checkpoints/step-00000100.pt    full training state (model, optimizer, data cursor, RNG, ...)
+    checkpoints/step-00000100/      the same, sharded (FSDP; see nedolm.train.sharded)
     archives/model-00000100.pt      weights + metadata only, on a wall-clock cadence
     run_metadata.json               one entry per start of the job
 
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 ARCHIVE_DIR = "archives"
 METADATA_FILE = "run_metadata.json"
-_CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
+_CHECKPOINT_NAME = re.compile(r"^step-(\d{8})(\.pt)?$")  # a file, or a sharded directory
 _SPACE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
@@ -57,7 +58,10 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints as (step, path), oldest first; temporary files are not listed."""
+    """Complete checkpoints (files and sharded directories) as (step, path), oldest first.
+
+    Temporaries are hidden names (``.step-...``), which never match.
+    """
     directory = Path(run_dir) / CHECKPOINT_DIR
     if not directory.is_dir():
         return []
@@ -82,7 +86,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     rejected = []
     for _, path in reversed(list_checkpoints(run_dir)):
         try:
-            load_checkpoint(path)
+            _validate(path)
         except CheckpointError as exc:
             log.warning("skipping checkpoint: %s; trying the previous one", exc)
             rejected.append(str(exc))
@@ -95,7 +99,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def _rotate(run_dir: Path, written_step: int, keep_last: int, keep_every: int) -> None:
+def rotate_checkpoints(run_dir: Path, written_step: int, keep_last: int, keep_every: int) -> None:
+    """Delete all but the newest ``keep_last``, multiples of ``keep_every`` and ``written_step``."""
     found = list_checkpoints(run_dir)
     keep = {step for step, _ in found[-keep_last:]} | {written_step}
     if keep_every > 0:
@@ -106,17 +111,34 @@ def _rotate(run_dir: Path, written_step: int, keep_last: int, keep_every: int) -
     )
     keep.add(newest_valid)
     for step, path in found:
-        if step not in keep:
+        if step in keep:
+            continue
+        if path.is_dir():  # a sharded checkpoint
+            shutil.rmtree(path)
+        else:
             path.unlink(missing_ok=True)
             checksum_path(path).unlink(missing_ok=True)
 
 
 def _loads(path: Path) -> bool:
     try:
-        load_checkpoint(path)
+        _validate(path)
     except CheckpointError:
         return False
     return True
+
+
+def _validate(path: Path) -> None:
+    """Read a checkpoint of either layout, raising CheckpointError if it is not usable."""
+    if not path.is_dir():
+        load_checkpoint(path)
+        return
+    from nedolm.train.sharded import read_payload  # torch.distributed.checkpoint: only if used
+
+    try:
+        read_payload(path)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read sharded checkpoint {path}: {exc}") from exc
 
 
 def _remove_stale_tmp(run_dir: Path, directory: Path) -> None:
@@ -178,7 +200,7 @@ def save_checkpoint(
             f"{_payload_bytes(payload) / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free there; "
             "the previous checkpoints are intact: free space and restart to resume"
         ) from exc
-    _rotate(Path(run_dir), step, keep_last, keep_every)
+    rotate_checkpoints(Path(run_dir), step, keep_last, keep_every)
     return path
 
 

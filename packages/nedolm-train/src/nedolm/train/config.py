@@ -79,6 +79,14 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     assistant_only_head: bool = True
     """Fused loss head (targets only); off = full logits + cross-entropy (reference path)."""
     loss_fp32_logits: bool = True
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """ddp replicates the model on every rank; fsdp shards parameters, gradients and AdamW
+    states (FSDP2). Not part of the recipe: a run may resume under the other mode."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """fsdp only: parameter/reduce dtype (auto: bf16 on CUDA, fp32 on CPU)."""
+    elastic: bool = False
+    """Allow a resume with another world size, micro_batch_size or num_workers: the rest of
+    the interrupted epoch is re-dealt over the new ranks (each target still once an epoch)."""
     ddp_static_graph: bool = False
     """DDP static_graph; cannot be combined with grad_accum_steps > 1 (DDP's no_sync)."""
     ddp_bucket_cap_mb: int = 100

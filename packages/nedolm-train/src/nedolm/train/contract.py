@@ -7,20 +7,27 @@ checkpoint so that a refusal can name exactly what differs:
 - training contract: everything that changes the optimisation trajectory (seq_len, the
   validation split, the packing policies, the recipe: steps, batch, seed, optimizer, model),
 - execution mode: world size, loader workers and the effective compile mode, which change the
-  data order or the numerics a resumed run would see.
+  data order or the numerics a resumed run would see; also the parallelism (ddp/fsdp) and the
+  elastic flag, recorded but free to change (see ``FREE_ON_RESUME``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from nedolm.data.format import Shard
 from nedolm.data.schema import CONTINUATION_POLICY, PACKING_POLICY, TARGET_POLICY
 
 TRAINING_CONTRACT_SCHEMA = "nedolm_sft_training_contract_v2"
+
+
+FREE_ON_RESUME = ("execution.parallelism", "execution.elastic")
+"""Recorded, never refused: checkpoints convert between DDP and FSDP layouts."""
+ELASTIC_FREE = ("execution.world_size", "execution.num_workers", "training.recipe.micro_batch_size")
+"""What ``train.elastic`` lets a resume change: the loader re-deals the rest of the epoch."""
 
 
 class ResumeRefused(RuntimeError):
@@ -52,12 +59,21 @@ def training_contract(
     }
 
 
-def execution_mode(*, world_size: int, num_workers: int, effective_compile: bool) -> dict:
-    """The topology and execution settings a resumed run must share with its checkpoint."""
+def execution_mode(
+    *,
+    world_size: int,
+    num_workers: int,
+    effective_compile: bool,
+    parallelism: str = "ddp",
+    elastic: bool = False,
+) -> dict:
+    """The topology and execution settings of a run (see ``FREE_ON_RESUME``)."""
     return {
         "world_size": int(world_size),
         "num_workers": int(num_workers),
         "effective_compile": bool(effective_compile),
+        "parallelism": parallelism,
+        "elastic": bool(elastic),
     }
 
 
@@ -116,11 +132,13 @@ def check_resume(
     source: str,
     *,
     parts: Sequence[str] = ("dataset", "training", "execution"),
+    free: Collection[str] = FREE_ON_RESUME,
 ) -> None:
     """Refuse a resume whose dataset, training contract or execution mode changed.
 
     ``current`` maps each of ``parts`` ("dataset", "training", "execution") to the run's
-    contract dict; the checkpoint holds the same dicts under "contract".
+    contract dict; the checkpoint holds the same dicts under "contract". Keys in ``free``
+    (dotted, e.g. ``execution.world_size``) may differ.
 
     Raises:
         ResumeRefused: naming the checkpoint and every differing key, e.g.
@@ -132,6 +150,7 @@ def check_resume(
     problems = []
     for part in parts:
         problems += [f"{part}.{d}" for d in _differences(saved.get(part), dict(current[part]))]
+    problems = [p for p in problems if p.split(":", 1)[0] not in free]
     if problems:
         raise ResumeRefused(
             f"refusing to resume from {source}: the run changed since it was written: "

@@ -20,13 +20,20 @@ from collections.abc import Iterator
 import torch
 
 from nedolm.dist import all_rank_call, gather_object, main_rank_call, sum_all, sync_control_flags
-from nedolm.train.checkpoint import save_checkpoint, save_model_archive
+from nedolm.train.checkpoint import (
+    checkpoint_path,
+    rotate_checkpoints,
+    save_checkpoint,
+    save_model_archive,
+)
 from nedolm.train.config import to_builtins
 from nedolm.train.contract import fingerprint
 from nedolm.train.faults import maybe_inject
 from nedolm.train.metrics import MetricsWriter, format_eta
 from nedolm.train.optim import lr_at_step, set_lr
+from nedolm.train.parallel import is_sharded
 from nedolm.train.setup import Run
+from nedolm.train.sharded import full_model_state
 from nedolm.train.signals import StopRequest
 from nedolm.train.step import StepResult, train_step
 from nedolm.train.validation import run_validation
@@ -68,6 +75,8 @@ class Trainer:
             )
             done = step + 1
             self._account(done, result)
+            if run.audit is not None:
+                run.audit.write_step(done, result.global_targets)
             if done % run.cfg.train.log_interval == 0 or done in (
                 self.first_step + 1,
                 run.max_steps,
@@ -199,7 +208,8 @@ class Trainer:
         return stop
 
     def save_checkpoint(self) -> None:
-        """Gather every rank's RNG and loader cursor, then rank 0 writes one atomic file."""
+        """Gather every rank's RNG and loader cursor, then rank 0 writes one atomic file
+        (under FSDP: every rank writes its shards into one atomic directory)."""
         run, state = self.run, self.state
         done = state.progress.step
 
@@ -211,22 +221,30 @@ class Trainer:
 
         local = all_rank_call(run.info, f"prepare checkpoint at step {done}", rank_state)
         ranks = gather_object(local)
+        t = run.cfg.train
+        extra = {
+            "step": done,
+            "contract": run.contract,
+            "fingerprints": {k: fingerprint(v) for k, v in run.contract.items()},
+            "base_checkpoint": run.base_checkpoint,
+            "sft_config": to_builtins(run.cfg),
+        }
+        if is_sharded(state.model):
+            path = state.save_sharded(
+                checkpoint_path(run.cfg.run_dir, done).with_suffix(""), ranks, extra
+            )
+            main_rank_call(
+                run.info,
+                f"rotate checkpoints at step {done}",
+                lambda: rotate_checkpoints(run.cfg.run_dir, done, t.keep_last, t.keep_every),
+            )
+            log.info("sharded checkpoint written: %s", path)
+            return
 
         def write() -> None:
-            payload = {
-                "step": done,
-                **state.state_dict(ranks),
-                "contract": run.contract,
-                "fingerprints": {k: fingerprint(v) for k, v in run.contract.items()},
-                "base_checkpoint": run.base_checkpoint,
-                "sft_config": to_builtins(run.cfg),
-            }
+            payload = {**extra, **state.state_dict(ranks)}
             path = save_checkpoint(
-                run.cfg.run_dir,
-                done,
-                payload,
-                keep_last=run.cfg.train.keep_last,
-                keep_every=run.cfg.train.keep_every,
+                run.cfg.run_dir, done, payload, keep_last=t.keep_last, keep_every=t.keep_every
             )
             log.info("checkpoint written: %s", path)
 
@@ -236,11 +254,12 @@ class Trainer:
         """Weights and provenance only, for shipping or evaluating a snapshot."""
         run, state = self.run, self.state
         done = state.progress.step
+        weights = full_model_state(state.model)  # a collective under FSDP; rank 0 holds it
 
         def write() -> None:
             payload = {
                 "step": done,
-                "model": state.model.state_dict(),
+                "model": weights,
                 "model_config": run.contract["training"]["recipe"]["model_config"],
                 "eos_id": run.eos_id,
                 "progress": dataclasses.asdict(state.progress),

@@ -1,4 +1,5 @@
-"""Everything before the first step: contract, data plan, model, resume, compile, DDP, loaders.
+"""Everything before the first step: contract, data plan, model, compile, DDP/FSDP, loaders,
+resume.
 
 ``prepare_run`` turns an ``SFTConfig`` into a ready ``Run``. Each stage is a small function, and
 every stage that can fail on one rank goes through ``main_rank_call`` (rank-0 work: contract
@@ -21,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.contract import validate_dataset_contract
@@ -37,19 +37,18 @@ from nedolm.dist import (
     main_rank_call,
 )
 from nedolm.model import IGNORE_INDEX, ModelConfig, build_model, packed_layout, resolve_attn_impl
+from nedolm.train.audit import BatchAudit
 from nedolm.train.base import (
     base_run_config,
     check_base_tokenizer,
     load_base_weights,
     model_config,
 )
-from nedolm.train.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    write_run_metadata,
-)
+from nedolm.train.checkpoint import latest_checkpoint, write_run_metadata
 from nedolm.train.config import RunConfig, SFTConfig, to_builtins
 from nedolm.train.contract import (
+    ELASTIC_FREE,
+    FREE_ON_RESUME,
     check_plan_matches_audit,
     check_resume,
     execution_mode,
@@ -59,7 +58,8 @@ from nedolm.train.contract import (
 )
 from nedolm.train.faults import maybe_inject
 from nedolm.train.optim import build_optimizer
-from nedolm.train.state import TrainState, upgrade_checkpoint
+from nedolm.train.parallel import is_sharded, parallelize
+from nedolm.train.state import TrainState, read_checkpoint
 from nedolm.train.step import LossOptions, MicroBatch, StepSettings, forward_backward
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class Run:
     state: TrainState
     """Bare model, optimizer, progress, loader: what a checkpoint saves and restores."""
     model: nn.Module
-    """What the step calls: the bare, compiled and/or DDP-wrapped ``state.model``."""
+    """What the step calls: ``state.model`` compiled and/or DDP-wrapped (FSDP shards in place)."""
     settings: StepSettings
     train_batches: Iterator[dict[str, torch.Tensor]]
     """Infinite iterator over ``state.loader``."""
@@ -86,6 +86,8 @@ class Run:
     contract: dict[str, dict[str, Any]]
     """{"dataset", "training", "execution"}: stored in every checkpoint."""
     base_checkpoint: str
+    audit: BatchAudit | None = None
+    """Set by NEDOLM_AUDIT_DIR: records the windows each step trained."""
 
     @property
     def eos_id(self) -> int:
@@ -129,9 +131,10 @@ def prepare_run(
     resume_path = main_rank_call(
         info, "find latest SFT checkpoint", lambda: latest_checkpoint(cfg.run_dir)
     )
+    free = (*FREE_ON_RESUME, *ELASTIC_FREE) if cfg.train.elastic else FREE_ON_RESUME
     if resume_path is not None:
         resume = all_rank_call(
-            info, "load SFT checkpoint", lambda: _read_resume(resume_path, contract)
+            info, "load SFT checkpoint", lambda: _read_resume(resume_path, contract, free)
         )
         base_checkpoint = str(resume.get("base_checkpoint", ""))
     else:
@@ -158,15 +161,18 @@ def prepare_run(
         world_size=info.world_size,
         num_workers=cfg.train.num_workers,
         effective_compile=effective_compile,
+        parallelism=cfg.train.parallelism,
+        elastic=cfg.train.elastic,
     )
     if resume is not None:
         all_rank_call(
             info,
             "check resume execution mode",
-            lambda: check_resume(resume, contract, str(resume_path), parts=("execution",)),
+            lambda: check_resume(
+                resume, contract, str(resume_path), parts=("execution",), free=free
+            ),
         )
-    if info.world_size > 1:
-        model = _wrap_ddp(model, cfg, info)
+    model = _parallelize(base_model, model, cfg, info)
 
     optimizer = all_rank_call(
         info, "build optimizer", lambda: build_optimizer(base_model, cfg.optim)
@@ -175,10 +181,9 @@ def prepare_run(
         info, "build data loaders", lambda: _build_loaders(cfg, info, seq_len, data)
     )
     state = TrainState(base_model, optimizer, train_loader)
+    audit = BatchAudit.from_env(train_loader, info.rank)
     if resume is not None:
-        all_rank_call(
-            info, "restore training state", lambda: state.load_state_dict(resume, info.rank)
-        )
+        _restore(state, resume, resume_path, info, elastic=cfg.train.elastic)
         log.info("resuming from %s at step %d", resume_path, state.progress.step)
         del resume
     run = Run(
@@ -189,7 +194,8 @@ def prepare_run(
         state=state,
         model=model,
         settings=settings,
-        train_batches=iter(train_loader),
+        train_batches=audit.track(iter(train_loader)) if audit else iter(train_loader),
+        audit=audit,
         val_loader=val_loader,
         contract=contract,
         base_checkpoint=base_checkpoint,
@@ -279,11 +285,46 @@ def _recipe(cfg: SFTConfig, model_cfg: ModelConfig, max_steps: int) -> dict[str,
     }
 
 
-def _read_resume(path: Path, contract: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _read_resume(
+    path: Path, contract: dict[str, dict[str, Any]], free: tuple[str, ...]
+) -> dict[str, Any]:
     """The checkpoint to resume from, in the current format, refused if the recipe changed."""
-    state = upgrade_checkpoint(load_checkpoint(path), str(path))
-    check_resume(state, contract, str(path), parts=("dataset", "training"))
+    state = read_checkpoint(path)
+    check_resume(state, contract, str(path), parts=("dataset", "training"), free=free)
     return state
+
+
+def _restore(
+    state: TrainState, resume: dict[str, Any], path: Path, info: DistInfo, *, elastic: bool
+) -> None:
+    """Load the checkpoint into ``state``: collectively when shards move between ranks."""
+    if path.is_dir():
+        state.load_sharded(path, resume, info.rank, elastic=elastic)
+    elif is_sharded(state.model):
+        state.load_state_dict(resume, info.rank, elastic=elastic)
+    else:
+        all_rank_call(
+            info,
+            "restore training state",
+            lambda: state.load_state_dict(resume, info.rank, elastic=elastic),
+        )
+
+
+def _parallelize(
+    base_model: nn.Module, model: nn.Module, cfg: SFTConfig, info: DistInfo
+) -> nn.Module:
+    """DDP wraps what the step calls (compiled or not); FSDP shards the bare model in place,
+    so a compiled wrapper of it keeps calling the sharded module."""
+    t = cfg.train
+    wrapped = parallelize(
+        base_model if t.parallelism == "fsdp" else model,
+        t.parallelism,
+        device=info.device,
+        precision=t.precision,
+        ddp_bucket_cap_mb=t.ddp_bucket_cap_mb,
+        ddp_static_graph=t.ddp_static_graph,
+    )
+    return model if t.parallelism == "fsdp" else wrapped
 
 
 def _load_base(cfg: SFTConfig, model: nn.Module) -> Path:
@@ -353,17 +394,6 @@ def _maybe_compile(
         log.warning("torch.compile disabled on every rank: %s", " | ".join(errors))
         return base_model, False
     return compiled, True
-
-
-def _wrap_ddp(model: nn.Module, cfg: SFTConfig, info: DistInfo) -> nn.Module:
-    return DistributedDataParallel(
-        model,
-        device_ids=[info.device.index] if info.device.type == "cuda" else None,
-        forward_sync_buffers=False,  # buffers (rope, morph classes) are equal after broadcast
-        gradient_as_bucket_view=True,
-        static_graph=cfg.train.ddp_static_graph,
-        bucket_cap_mb=cfg.train.ddp_bucket_cap_mb,
-    )
 
 
 def _build_loaders(

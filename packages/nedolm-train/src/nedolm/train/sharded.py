@@ -7,6 +7,7 @@ is on disk, and the directory only then gets its final name::
     step-00000005/              final name: renamed from .step-00000005.tmp-dcp by rank 0
       __0_0.distcp __1_0.distcp one file per rank (DCP)
       .metadata                 DCP's index of the shards
+      train_state.pt            rank 0's ``payload``: progress, per-rank RNG/loader cursors
       nedolm-sharded.json       format version, world size, caller's metadata: written last
 
 So a save killed at any point leaves either the previous checkpoint or a hidden ``.tmp-``
@@ -36,11 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from nedolm.data.atomic import atomic_write_bytes, fsync_dir
+from nedolm.data.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from nedolm.dist import all_rank_call, barrier, get_info, get_world_size, main_rank_call
 from nedolm.train.parallel import unwrap
 
 MANIFEST = "nedolm-sharded.json"
+PAYLOAD = "train_state.pt"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".tmp-dcp"  # nedolm.data.atomic.is_temporary recognises the hidden name
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -56,12 +58,18 @@ def temporary_dir(final: Path) -> Path:
 
 
 def save_sharded(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    payload: dict[str, Any] | None = None,
 ) -> Path:
     """Every rank writes its shard of model + optimizer; the directory appears complete or not.
 
     A collective: call on every rank. ``meta`` (JSON-serialisable: step, parallelism, ...)
-    goes into the manifest, which rank 0 writes after all shards are on disk.
+    goes into the manifest, which rank 0 writes after all shards are on disk. Rank 0's
+    ``payload`` (tensors and plain values; the other ranks' is ignored) is written as
+    ``PAYLOAD`` before the manifest.
 
     Raises:
         nedolm.dist.RankError: on every rank, when preparing or finishing the directory failed.
@@ -84,6 +92,8 @@ def save_sharded(
     barrier()  # every rank's shard is on disk
 
     def finish() -> None:
+        if payload is not None:
+            atomic_write(tmp / PAYLOAD, lambda handle: torch.save(payload, handle))
         atomic_write_bytes(tmp / MANIFEST, manifest)
         if final.exists():  # a re-save of the same step after a resume
             shutil.rmtree(final)
@@ -111,6 +121,30 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}"
         )
     return manifest
+
+
+def read_payload(directory: Path) -> dict[str, Any]:
+    """The ``payload`` saved with a complete sharded checkpoint (read on CPU, tensors only).
+
+    Raises:
+        ShardedCheckpointError: incomplete checkpoint, or one saved without a payload.
+    """
+    read_manifest(directory)
+    path = Path(directory) / PAYLOAD
+    if not path.is_file():
+        raise ShardedCheckpointError(f"{directory}: sharded checkpoint has no {PAYLOAD}")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_sharded_model(directory: Path, model: nn.Module) -> None:
+    """Load only the model weights of a sharded checkpoint into a plain model (one process).
+
+    For export and generation: the optimizer shards are not read.
+    """
+    read_manifest(directory)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=Path(directory))
+    set_model_state_dict(model, state["model"])
 
 
 def load_sharded(

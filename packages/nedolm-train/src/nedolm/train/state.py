@@ -5,6 +5,13 @@ the optimizer, the schedule ``Progress``, and per rank the torch RNG and the loa
 (``SFTLoader.state_dict``). Model, optimizer and progress are equal on every rank and saved
 once; RNG and loader state are per rank, gathered to rank 0 as ``ranks[rank]``.
 
+Under FSDP the model and optimizer are saved sharded (``save_sharded``, a directory) and the
+rest (progress, ranks, stream) rides along as its payload. A checkpoint of either layout
+resumes under either mode: a ``.pt`` file's full state is broadcast into FSDP shards
+(``load_full_state``), a sharded directory loads into a DDP/single-process model too. The
+data stream (``SFTLoader.stream_state_dict``) is global; with ``elastic`` and another
+topology the loader re-deals the rest of the epoch from every old rank's cursor.
+
 A checkpoint names its layout in ``format_version``. Version 1 (no ``format_version`` key,
 written before ``TrainState`` existed) kept the loader cursor as ``ranks[r]["data_state"]``
 with integer keys; ``upgrade_checkpoint`` converts it, and refuses any other version.
@@ -14,12 +21,22 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from nedolm.data.loader import SFTLoader
+from nedolm.train.checkpoint import load_checkpoint
+from nedolm.train.parallel import is_sharded
+from nedolm.train.sharded import (
+    load_full_state,
+    load_sharded,
+    load_sharded_model,
+    read_payload,
+    save_sharded,
+)
 
 CHECKPOINT_FORMAT_VERSION = 2
 _LEGACY_FORMAT_VERSION = 1
@@ -63,26 +80,107 @@ class TrainState:
     def state_dict(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole state, given every rank's ``rank_state_dict`` in rank order."""
         return {
-            "format_version": CHECKPOINT_FORMAT_VERSION,
+            **self.payload(ranks),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "progress": dataclasses.asdict(self.progress),
-            "ranks": ranks,
         }
 
-    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
-        """Restore everything, taking ``rank``'s RNG and loader cursor; before iterating."""
-        if state.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-            raise CheckpointFormatError(
-                f"training state has format version {state.get('format_version')}, "
-                f"expected {CHECKPOINT_FORMAT_VERSION} (run upgrade_checkpoint first)"
+    def payload(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        """Everything but the model and optimizer (what a sharded checkpoint carries beside)."""
+        return {
+            "format_version": CHECKPOINT_FORMAT_VERSION,
+            "progress": dataclasses.asdict(self.progress),
+            "ranks": ranks,
+            "data_stream": self.loader.stream_state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], rank: int, *, elastic: bool = False) -> None:
+        """Restore a full state (``state_dict``), taking ``rank``'s RNG and loader cursor.
+
+        Before iterating. Under FSDP a collective: the full tensors are scattered to shards,
+        and the optimizer state (keyed by parameter index) is renamed to parameter names.
+        """
+        _check_version(state)
+        if is_sharded(self.model):
+            optimizer_state = optimizer_state_by_name(
+                self.model, self.optimizer, state["optimizer"]
             )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            load_full_state(self.model, self.optimizer, state["model"], optimizer_state)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.load_payload(state, rank, elastic=elastic)
+
+    def save_sharded(self, directory: Path, ranks: list[dict[str, Any]], extra: dict) -> Path:
+        """A collective: every rank writes its shards; rank 0 adds ``payload(ranks)`` + ``extra``."""
+        meta = {"step": self.progress.step}
+        return save_sharded(
+            directory, self.model, self.optimizer, meta, {**self.payload(ranks), **extra}
+        )
+
+    def load_sharded(
+        self, directory: Path, payload: dict[str, Any], rank: int, *, elastic: bool = False
+    ) -> None:
+        """A collective: restore a sharded checkpoint whose payload is ``payload``."""
+        _check_version(payload)
+        load_sharded(directory, self.model, self.optimizer)
+        self.load_payload(payload, rank, elastic=elastic)
+
+    def load_payload(self, state: dict[str, Any], rank: int, *, elastic: bool) -> None:
+        """Progress, this rank's RNG and the loader: its own cursor when the topology is the
+        saved one, else (``elastic`` only) the rest of the epoch re-dealt over the new ranks."""
         self.progress = Progress(**state["progress"])
-        local = state["ranks"][rank]
-        torch.set_rng_state(local["rng"])
-        self.loader.load_state_dict(local["loader"])
+        ranks = state["ranks"]
+        stream = state.get("data_stream") or self.loader.stream_state_dict()
+        own = ranks[rank]["loader"] if rank < len(ranks) else {}
+        if elastic and not self.loader.matches(own, len(ranks)):
+            self.loader.load_elastic_state_dict([r["loader"] for r in ranks], stream)
+        else:
+            self.loader.load_stream_state_dict(stream)
+            self.loader.load_state_dict(own)
+        # An elastic resume onto more ranks has no saved stream for the new ones.
+        torch.set_rng_state(ranks[rank % len(ranks)]["rng"])
+
+
+def optimizer_state_by_name(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` of the same model (keyed by parameter index in group order)
+    re-keyed by parameter name: the full form ``load_full_state`` takes."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {order[int(i)]: value for i, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [order[int(i)] for i in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A training checkpoint in the current format: a ``.pt`` file's whole content, or a
+    sharded directory's payload (its model and optimizer load with ``load_sharded``)."""
+    if Path(path).is_dir():
+        return read_payload(path)
+    return upgrade_checkpoint(load_checkpoint(path), str(path))
+
+
+def load_model_weights(path: Path, checkpoint: dict[str, Any], model: nn.Module) -> None:
+    """Load a checkpoint's weights into a plain model (export, generation), either layout;
+    ``checkpoint`` is ``read_checkpoint(path)``."""
+    if Path(path).is_dir():
+        load_sharded_model(path, model)
+    else:
+        model.load_state_dict(checkpoint["model"])
+
+
+def _check_version(state: dict[str, Any]) -> None:
+    if state.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"training state has format version {state.get('format_version')}, "
+            f"expected {CHECKPOINT_FORMAT_VERSION} (run upgrade_checkpoint first)"
+        )
 
 
 def upgrade_checkpoint(state: dict[str, Any], path: str) -> dict[str, Any]:

@@ -16,7 +16,6 @@ it too, with a batch of the same shape, so it compiles the graph that training r
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 from nedolm.dist import DistInfo, collect_rank_errors, sum_all
 from nedolm.model import IGNORE_INDEX, packed_layout
 from nedolm.train.faults import maybe_inject
+from nedolm.train.parallel import local_tensor, maybe_no_sync
 
 
 class StepError(RuntimeError):
@@ -164,19 +164,20 @@ def train_step(
 ) -> StepResult:
     """Fetch, accumulate, clip (refusing non-finite norms) and step (0-based ``step``).
 
-    ``model`` may be the DDP wrapper: gradients are all-reduced only on the last micro-batch.
+    ``model`` may be the DDP wrapper (gradients all-reduced on the last micro-batch only) or
+    an FSDP module (``params`` are then sharded DTensors; the norm is the global one).
     """
     micro_batches, global_targets = fetch_step_batches(batches, settings, step)
     scale = settings.info.world_size / global_targets
-    no_sync = getattr(model, "no_sync", None)
     local_loss = torch.zeros((), dtype=torch.float32, device=micro_batches[0].inputs.device)
     for i, mb in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+        with maybe_no_sync(model, last_micro_batch=i == len(micro_batches) - 1):
             local_loss += forward_backward(model, mb, settings.loss, scale)
     try:
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, settings.grad_clip, foreach=True, error_if_nonfinite=True
+        grad_norm = local_tensor(
+            torch.nn.utils.clip_grad_norm_(
+                params, settings.grad_clip, foreach=True, error_if_nonfinite=True
+            )
         )
     except RuntimeError as exc:  # same all-reduced gradients, so every rank raises
         raise StepError(f"non-finite gradient norm at optimizer step {step}: {exc}") from exc
