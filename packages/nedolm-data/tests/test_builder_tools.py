@@ -45,8 +45,7 @@ def independent_targets(records: list[dict[str, Any]], tokenizer: Any, train_cal
             if message["role"] != "assistant" or (message.get("tool_calls") and not train_calls):
                 continue
             lines = [
-                '{"name": "%s", "arguments": %s}'
-                % (call["function"]["name"], call["function"]["arguments"])
+                f'{{"name": "{call["function"]["name"]}", "arguments": {call["function"]["arguments"]}}}'
                 for call in message.get("tool_calls", [])
             ]
             content = message.get("content") or ""

@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 import msgspec
 
-from nedolm.data.builder import BuildError, BuildOptions, BuildReport, build_corpus
 from nedolm.data.atomic import atomic_write_bytes
+from nedolm.data.builder import BuildError, BuildOptions, BuildReport, build_corpus
 from nedolm.data.contract import PACKING_AUDIT_FILE
 from nedolm.data.format import ShardFormatError
 from nedolm.data.inputs import FORMATS

@@ -22,7 +22,7 @@ from nedolm.data.build_options import BuildError, BuildOptions
 from nedolm.data.contract import dump_json, manifest_document, write_contract
 from nedolm.data.encode import ChunkEncoder, EncodedDocument, encoded_chunks
 from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE
-from nedolm.data.inputs import input_size, input_sha256, read_records, source_names
+from nedolm.data.inputs import input_sha256, input_size, read_records, source_names
 from nedolm.data.install import check_out, fresh_tmp_dir, install
 from nedolm.data.packing import (
     DROP_HARD_CONTINUATION,

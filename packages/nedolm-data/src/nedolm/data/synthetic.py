@@ -25,10 +25,10 @@ from nedolm.data.format import (
 )
 from nedolm.data.packing import flat_ranges
 from nedolm.data.records import (
+    BASE_ROLES,
     INDEX_DTYPE,
     MESSAGE_END_TOKEN,
     MESSAGE_START_TOKEN,
-    BASE_ROLES,
     ROLE_ASSISTANT,
     ROLE_SYSTEM,
     ROLE_USER,
