@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -66,11 +67,13 @@ def render_piece(piece: PieceView, decode: Callable[[list[int]], str] | None) ->
 def _styled_lines(text: str, target: bool, calls: bool) -> list[str]:
     """Content text: targets bold green; tool-call lines of an assistant message marked ⚙."""
     out = []
-    for line in text.splitlines(keepends=True):
-        if calls and is_tool_call_line(line):
-            out.append(click.style(f"⚙ {line}", fg="yellow", bold=target))
+    lines = text.splitlines(keepends=True)
+    for is_call, group in itertools.groupby(lines, lambda line: calls and is_tool_call_line(line)):
+        if is_call:
+            out.extend(click.style(f"⚙ {line}", fg="yellow", bold=target) for line in group)
         else:
-            out.append(click.style(line, fg="green", bold=True) if target else line)
+            part = "".join(group)
+            out.append(click.style(part, fg="green", bold=True) if target else part)
     return out
 
 
