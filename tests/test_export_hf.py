@@ -141,12 +141,12 @@ def test_chat_template_renders_tool_calls_and_tools_like_the_builder(exported: P
     hf.chat_template = chat_template(hf.eos_token, specials.roles)
     layout = ConversationLayout.from_specials(specials)
     records = [json.loads(line) for line in TOOL_CHAT.read_text(encoding="utf-8").splitlines()]
-    assert sum(bool(r.get("tools")) for r in records) >= 5
+    assert sum(bool(r.get("tools")) for r in records) >= 3
+    assert sum(any(m["role"] == "tool" for m in r["messages"]) for r in records) >= 3
     for n, record in enumerate(records, start=1):
         conv = parse_record(json.dumps(record).encode(), TOOL_CHAT.name, n, RecordPolicy())
         assert isinstance(conv, Conversation), conv
         roles = [ROLE_NAMES[m.role] for m in conv.messages]
-        assert "tool" in roles
         contents = chat.tokenizer.encode_batch([m.text for m in conv.messages])
         full = hf.apply_chat_template(
             record["messages"], tools=record.get("tools"), tokenize=True, return_dict=True
