@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +12,16 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from nedolm.data.records import ROLE_ASSISTANT, ROLE_NAMES, ROLE_SYSTEM
+from nedolm.data.render import ConversationLayout, chat_template
 from nedolm.data.sources import Conversation, RecordPolicy, iter_lines, parse_record
+from nedolm.data.tokenizer import build_special_tokens
 from nedolm.model import generate
 from nedolm_sft.chat_model import load_chat_model
 
 PROMPT = "Türkiye'nin başkenti neresidir?"
-TR_CHAT = Path(__file__).parents[1] / "packages" / "nedolm-data" / "tests" / "fixtures" / "tr_chat"
+FIXTURES = Path(__file__).parents[1] / "packages" / "nedolm-data" / "tests" / "fixtures"
+TR_CHAT = FIXTURES / "tr_chat"
+TOOL_CHAT = FIXTURES / "tool_chat" / "glaive_toolcall_en_demo.jsonl"
 
 
 def nedolm_sft(*args: str) -> subprocess.CompletedProcess[str]:
@@ -124,3 +129,26 @@ def test_chat_template_refuses_an_unknown_role(exported: Path) -> None:
     hf = PreTrainedTokenizerFast.from_pretrained(exported)
     with pytest.raises(Exception, match="unknown role: tool"):
         hf.apply_chat_template([{"role": "tool", "content": "{}"}], tokenize=False)
+
+
+def test_chat_template_renders_tool_calls_and_tools_like_the_builder(exported: Path) -> None:
+    """tool_chat records: apply_chat_template(messages, tools=...) == parse_record + renderer,
+    with the template a tool-registering corpus exports (role ``tool`` in its registry)."""
+    chat = load_chat_model(exported)
+    hf = PreTrainedTokenizerFast.from_pretrained(exported)
+    specials = build_special_tokens(chat.tokenizer, "tokenizer.json")
+    assert "tool" in specials.roles
+    hf.chat_template = chat_template(hf.eos_token, specials.roles)
+    layout = ConversationLayout.from_specials(specials)
+    records = [json.loads(line) for line in TOOL_CHAT.read_text(encoding="utf-8").splitlines()]
+    assert sum(bool(r.get("tools")) for r in records) >= 3
+    assert sum(any(m["role"] == "tool" for m in r["messages"]) for r in records) >= 3
+    for n, record in enumerate(records, start=1):
+        conv = parse_record(json.dumps(record).encode(), TOOL_CHAT.name, n, RecordPolicy())
+        assert isinstance(conv, Conversation), conv
+        roles = [ROLE_NAMES[m.role] for m in conv.messages]
+        contents = chat.tokenizer.encode_batch([m.text for m in conv.messages])
+        full = hf.apply_chat_template(
+            record["messages"], tools=record.get("tools"), tokenize=True, return_dict=True
+        )["input_ids"]
+        assert full == layout.document(roles, contents), n

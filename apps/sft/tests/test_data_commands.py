@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -120,3 +122,46 @@ def test_real_process_exits_non_zero_without_traceback(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "verified SFT contract missing" in proc.stderr
+
+
+TOOL_CHAT = FIXTURES / "tool_chat" / "glaive_toolcall_en_demo.jsonl"
+
+
+def test_prepare_skips_bad_records_and_reports_them(tmp_path):
+    """--on-bad-record skip: bad lines of a real file are dropped, counted, located."""
+    good = TOOL_CHAT.read_text(encoding="utf-8").splitlines()[:3]
+    lines = [good[0], "{broken", good[1], '{"messages": [{"role": "narrator", "content": "x"}]}']
+    source = tmp_path / "mixed.jsonl"
+    source.write_text("\n".join([*lines, good[2]]) + "\n", encoding="utf-8")
+    report_file = tmp_path / "report.json"
+    args = ["prepare", source, "--tokenizer", TOKENIZER, "--out", tmp_path / "o", "--seq-len"]
+    result = _run(*args, 4096, "--on-bad-record", "skip", "--report", report_file, "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "records 5 = kept 3 + dropped 2 (invalid_json 1, unsupported_role 1)" in result.output
+    assert "  mixed.jsonl:2: malformed JSON" in result.output
+    report = json.loads(report_file.read_text(encoding="utf-8"))
+    (only,) = report["sources"]
+    assert only["records"] == only["kept"] + sum(only["dropped"].values()) == 5
+    assert report["drop_examples"]["unsupported_role"][0].startswith("mixed.jsonl:4: ")
+
+    refused = CliRunner().invoke(cli, [str(a) for a in args] + ["4096", "--no-progress"])
+    assert refused.exit_code == 1
+    assert len(refused.output.strip().splitlines()) == 1
+    assert refused.output.startswith("Error: mixed.jsonl:2: malformed JSON: ")
+
+
+def test_prepare_reads_parquet_and_trains_tool_calls_on_request(tmp_path):
+    records = [json.loads(line) for line in TOOL_CHAT.read_text(encoding="utf-8").splitlines()]
+    table = pa.Table.from_pylist([{"turns": r["messages"], "id": r["id"]} for r in records])
+    source = tmp_path / "calls.parquet"
+    pq.write_table(table, source)
+    targets = {}
+    for flag in ([], ["--train-tool-calls"]):
+        out = tmp_path / f"o{len(flag)}"
+        args = ["prepare", source, "--tokenizer", TOKENIZER, "--out", out, "--seq-len", 4096]
+        result = _run(*args, "--format", "parquet", "--messages-field", "turns", *flag)
+        assert result.exit_code == 0, result.output
+        assert "records 8 = kept 8 + dropped 0" in result.output
+        audit = json.loads((out / "PACKING_POLICY_ADAPTIVE_AUDIT.json").read_text())
+        targets[bool(flag)] = audit["assistant_target_tokens"]
+    assert targets[True] > targets[False]

@@ -82,3 +82,16 @@ def test_bad_requests(corpus: Path, tmp_path: Path) -> None:
     result = invoke(tmp_path, "--seq-len", 64, "--window", 0)  # no tokenizer copy: ids
     assert result.exit_code == 0, result.output
     assert "⟦asistan⟧" in result.output
+
+
+def test_tool_messages_and_calls_are_shown_distinctly(tmp_path: Path) -> None:
+    source = FIXTURES / "tool_chat" / "glaive_toolcall_en_demo.jsonl"
+    out = tmp_path / "tools"
+    build_corpus([source], TOKENIZER, out, BuildOptions(seq_len=4096))
+    result = invoke(out, "--all", color=True)
+    assert result.exit_code == 0, result.output
+    assert "\x1b[33m⟦araç⟧ " in result.output  # the tool role header, in its own colour
+    calls = [line for line in result.output.splitlines() if "⚙ " in line]
+    assert calls and all('⚙ {"name": "' in line and '"arguments": ' in line for line in calls)
+    plain = invoke(out, "--all").output
+    assert plain.count("⚙ ") == len(calls)

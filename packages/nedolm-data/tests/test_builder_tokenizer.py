@@ -8,11 +8,13 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from nedolm.data.builder import BuildOptions, build_corpus
+from nedolm.data.records import ROLE_TOOL
 from nedolm.data.sources import InputError, RecordPolicy
 from nedolm.data.tokenizer import (
     TokenizerError,
     build_special_tokens,
     load_tokenizer,
+    registered_special_tokens,
 )
 
 
@@ -54,7 +56,11 @@ def test_special_ids_follow_the_spec(tokenizer_json):
     )
     assert specials.pad_id == 32002  # mistral has no pad token: the next free id
     assert specials.vocab_size == 32003
-    assert specials.roles == {"system": "sistem", "user": "kullanici", "assistant": "asistan"}
+    seed_roles = {"system": "sistem", "user": "kullanici", "assistant": "asistan"}
+    assert specials.roles == seed_roles | {"tool": "araç"}  # the whole registry, for encoding
+    # A corpus registers the seed's roles, plus tool only when it holds tool messages.
+    assert registered_special_tokens(specials, set()).roles == seed_roles
+    assert registered_special_tokens(specials, {ROLE_TOOL}).roles == specials.roles
     tok = load_tokenizer(tokenizer_json)
     assert specials.role_header_token_ids["user"] == tok.encode_batch(["kullanici\n"])[0]
     assert [c.token for c in specials.control_tokens] == ["<|mesaj_basla|>", "<|mesaj_bitir|>"]

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.data.inputs import input_size, read_records
 from nedolm.data.sources import INVALID_MESSAGE, InputError, RecordPolicy, Rejected, parse_record
 
@@ -326,3 +327,54 @@ def test_readers_hold_one_batch_not_the_file(tmp_path, kind):
     assert python_peak < text / 5, (python_peak, text)  # one batch of Python rows
     assert arrow_peak < text / 5, (arrow_peak, text)
     assert progress == sorted(progress) and progress[-1] == input_size(path) and len(progress) > 10
+
+
+# --- the builder over every format -------------------------------------------------------------
+
+
+def shard_bytes(data_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((data_dir / "shards").iterdir())}
+
+
+def test_every_format_builds_byte_identical_shards(
+    fixtures_dir, tr_chat_inputs, tokenizer_json, tmp_path
+):
+    """Tool-calling and plain conversations written as OpenAI JSONL, ShareGPT JSONL, Parquet,
+    gzipped JSONL, zstd JSONL and a datasets directory: one corpus, byte for byte. Each input is
+    ``train`` in its own directory, so its source name (and every record key) is train.jsonl."""
+    records = jsonl_records(fixtures_dir / "tool_chat" / "glaive_toolcall_en_demo.jsonl")
+    records += jsonl_records(tr_chat_inputs[0])[:20]
+    inputs = {"jsonl": write_jsonl(_fresh(tmp_path / "jsonl") / "train.jsonl", records)}
+    inputs["sharegpt"] = write_jsonl(
+        _fresh(tmp_path / "sharegpt") / "train.jsonl", [sharegpt(r) for r in records]
+    )
+    for kind, write in WRITERS.items():
+        name = "train" if kind == "datasets" else f"train.{kind}"
+        inputs[kind] = write(_fresh(tmp_path / kind) / name, records)
+    built = {}
+    for kind, path in inputs.items():
+        out = tmp_path / f"data-{kind}"
+        report = build_corpus([path], tokenizer_json, out, BuildOptions(seq_len=4096, shards=2))
+        assert [s.name for s in report.sources] == ["train.jsonl"], kind
+        assert report.documents == len(records), kind
+        built[kind] = shard_bytes(out)
+    assert all(shards == built["jsonl"] for shards in built.values())
+
+
+def _fresh(directory: Path) -> Path:
+    directory.mkdir()
+    return directory
+
+
+def test_builder_refuses_parquet_without_the_column(tmp_path, tokenizer_json):
+    path = write_parquet(tmp_path / "rows.parquet", [{"text": "merhaba"}])
+    with pytest.raises(InputError, match=r"rows\.parquet: no 'messages' or 'conversations' column"):
+        build_corpus([path], tokenizer_json, tmp_path / "data", BuildOptions(seq_len=256))
+
+
+def test_builder_names_an_unknown_sharegpt_from(tmp_path, tokenizer_json):
+    turns = [{"from": "human", "value": "Merhaba"}, {"from": "bot", "value": "Selam"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"conversations": turns}])
+    with pytest.raises(InputError) as error:
+        build_corpus([path], tokenizer_json, tmp_path / "data", BuildOptions(seq_len=256))
+    assert str(error.value).startswith("chat.jsonl:1: conversations[1] has unknown 'from' 'bot'")

@@ -152,17 +152,23 @@ def _only_shard(out):
     return shard
 
 
-def test_tool_records_error_by_default_and_map_or_drop_on_request(
+def test_unsupported_roles_error_by_default_and_map_or_drop_on_request(
     tmp_path, fixtures_dir, sentencepiece_model
 ):
     glaive = fixtures_dir / "tool_chat" / "glaive_toolcall_en_demo.jsonl"
+    # tool is a registry role now: a role outside it is the glaive file with tool renamed.
+    renamed = tmp_path / "renamed" / glaive.name
+    renamed.parent.mkdir()
+    renamed.write_text(
+        glaive.read_text(encoding="utf-8").replace('"role":"tool"', '"role":"function"')
+    )
     with pytest.raises(
-        InputError, match=r"glaive_toolcall_en_demo\.jsonl:1: messages\[4\] has role 'tool'"
+        InputError, match=r"glaive_toolcall_en_demo\.jsonl:1: messages\[4\] has role 'function'"
     ):
-        build_corpus([glaive], sentencepiece_model, tmp_path / "a", BuildOptions(seq_len=2048))
+        build_corpus([renamed], sentencepiece_model, tmp_path / "a", BuildOptions(seq_len=2048))
 
     dropped = build_corpus(
-        [glaive],
+        [renamed],
         sentencepiece_model,
         tmp_path / "b",
         BuildOptions(seq_len=2048, policy=RecordPolicy(unsupported_roles="drop")),
@@ -209,7 +215,8 @@ def test_tool_call_is_rendered_as_context_text(tmp_path, sentencepiece_model):
     )
     seg = shard.segments[1]
     content = shard.tokens[seg["start"] + seg["header_len"] : seg["start"] + seg["length"] - 1]
-    assert json.loads(sp.decode(content.tolist())) == {"tool_calls": [call["function"]]}
+    text = sp.decode(content.tolist())
+    assert text == '{"name": "saat", "arguments": {"şehir": "İzmir"}}'  # one line per call
 
 
 def test_train_false_makes_an_assistant_message_context(tmp_path, sentencepiece_model):

@@ -7,10 +7,13 @@ import time
 from pathlib import Path
 
 import click
+import msgspec
 
+from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.builder import BuildError, BuildOptions, BuildReport, build_corpus
 from nedolm.data.contract import PACKING_AUDIT_FILE
 from nedolm.data.format import ShardFormatError
+from nedolm.data.inputs import FORMATS
 from nedolm.data.packing import discover_sft_shards
 from nedolm.data.sources import InputError, RecordPolicy
 from nedolm.data.stats import corpus_stats, packing_quality
@@ -19,6 +22,8 @@ from nedolm.data.tokenizer import TokenizerError
 from nedolm.data.verify import check_corpus
 
 _USER_ERRORS = (InputError, BuildError, TokenizerError, ShardFormatError)
+_BAD_RECORD = {"error": "error", "skip": "drop"}
+"""--on-bad-record -> the RecordPolicy value of both --invalid-records and --unsupported-roles."""
 
 
 def _role_map(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -43,8 +48,20 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
 
 
 @click.command()
-@click.argument(
-    "inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option(
+    "--format",
+    "input_format",
+    type=click.Choice(FORMATS),
+    default="auto",
+    show_default=True,
+    help="Input format; auto detects it per input (JSON lines plain/.gz/.zst with OpenAI,"
+    " Alpaca or ShareGPT records, Parquet, a datasets save_to_disk directory).",
+)
+@click.option(
+    "--messages-field",
+    metavar="NAME",
+    help="The key/column holding the turns (default: messages, then conversations).",
 )
 @click.option(
     "--tokenizer",
@@ -88,7 +105,7 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     type=click.Choice(["error", "drop"]),
     default="error",
     show_default=True,
-    help="A role outside system/user/assistant (e.g. tool): stop, or drop the record and count it.",
+    help="A role outside system/user/assistant/tool: stop, or drop the record and count it.",
 )
 @click.option(
     "--map-role",
@@ -104,6 +121,23 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     help="Malformed JSON, empty content, control strings, ...: stop, or drop and count.",
 )
 @click.option(
+    "--on-bad-record",
+    type=click.Choice(["error", "skip"]),
+    help="Shorthand for both policies above: error stops on the first bad record (the default);"
+    " skip drops and counts malformed JSON, wrong types and unsupported roles.",
+)
+@click.option(
+    "--train-tool-calls",
+    is_flag=True,
+    help="Make assistant messages with tool_calls targets (default: context only).",
+)
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the build report (accounting, drop examples) as JSON to this file.",
+)
+@click.option(
     "--workers",
     type=click.IntRange(min=1),
     default=1,
@@ -114,6 +148,8 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def prepare(
     inputs: tuple[Path, ...],
+    input_format: str,
+    messages_field: str | None,
     tokenizer: Path,
     out: Path,
     seq_len: int,
@@ -124,15 +160,19 @@ def prepare(
     unsupported_roles: str,
     map_role: tuple[str, ...],
     invalid_records: str,
+    on_bad_record: str | None,
+    train_tool_calls: bool,
+    report_path: Path | None,
     workers: int,
     overwrite: bool,
     progress: bool,
 ) -> None:
-    """Build a verified corpus DATA_DIR from chat JSONL INPUTS.
+    """Build a verified corpus DATA_DIR from chat INPUTS.
 
-    INPUTS hold OpenAI-style {"messages": [...]} or Alpaca-style instruction/input/output
-    records, one per line. Records without a target or with a message too long for any
-    window are dropped and counted; every input record is accounted for.
+    INPUTS hold OpenAI-style {"messages": [...]}, ShareGPT {"conversations": [...]} or
+    Alpaca-style instruction/input/output records: JSON lines (plain, .gz, .zst), Parquet
+    files or datasets save_to_disk directories. Records without a target or with a message
+    too long for any window are dropped and counted; every input record is accounted for.
 
     \b
     Example:
@@ -147,10 +187,13 @@ def prepare(
             val_shards=_shard_ids(val_shards),
             val_fraction=val_fraction,
             policy=RecordPolicy(
-                invalid_records=invalid_records,
-                unsupported_roles=unsupported_roles,
+                invalid_records=_BAD_RECORD.get(on_bad_record, invalid_records),
+                unsupported_roles=_BAD_RECORD.get(on_bad_record, unsupported_roles),
                 role_map=_role_map(map_role),
+                train_tool_calls=train_tool_calls,
             ),
+            input_format=input_format,
+            messages_field=messages_field,
             workers=workers,
             overwrite=overwrite,
         )
@@ -159,6 +202,8 @@ def prepare(
     except (*_USER_ERRORS, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     _echo_report(report, time.perf_counter() - started)
+    if report_path is not None:
+        atomic_write_bytes(report_path, msgspec.json.format(msgspec.json.encode(report)) + b"\n")
 
 
 def _echo_report(report: BuildReport, seconds: float) -> None:
@@ -174,6 +219,10 @@ def _echo_report(report: BuildReport, seconds: float) -> None:
         f"records {report.records} = kept {kept} + dropped {sum(dropped.values())}"
         + (f" ({reasons})" if reasons else "")
     )
+    for reason, examples in report.drop_examples.items():
+        click.echo(f"dropped {reason}, e.g.:")
+        for example in examples:
+            click.echo(f"  {example}")
     state = "unchanged (identical rebuild)" if report.identical_rebuild else "written"
     click.echo(
         f"{report.out}: {state}; {report.shards} shards, validation {report.validation_shard_ids},"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from nedolm.data.inspect import (
 )
 from nedolm.data.packing import PackingError, discover_sft_shards
 from nedolm.data.records import ROLE_HEADERS
+from nedolm.data.render import is_tool_call_line
 
 PACKING_AUDIT = "PACKING_POLICY_ADAPTIVE_AUDIT.json"
 
@@ -43,7 +45,8 @@ def render_piece(piece: PieceView, decode: Callable[[list[int]], str] | None) ->
     for run in piece.runs:
         if run.part == "header":
             word = ROLE_HEADERS[run.role]
-            out.append(click.style(f"⟦{word}⟧ " if run.message_start else "⟦…⟧ ", fg="cyan"))
+            colour = "yellow" if run.role == "tool" else "cyan"
+            out.append(click.style(f"⟦{word}⟧ " if run.message_start else "⟦…⟧ ", fg=colour))
         elif run.part == "eos":
             out.append(click.style("⟨eos⟩", fg="magenta") + "\n")
         else:
@@ -55,10 +58,23 @@ def render_piece(piece: PieceView, decode: Callable[[list[int]], str] | None) ->
                 text = decode(run.token_ids)
             if run.message_start:  # the window starts inside this message (hard continuation)
                 text = "⟦…⟧ " + text
-            out.append(click.style(text, fg="green", bold=True) if run.target else text)
+            out.extend(_styled_lines(text, run.target, calls=run.role == "assistant"))
             if run.part == "end":
                 out.append("\n")
     return "".join(out)
+
+
+def _styled_lines(text: str, target: bool, calls: bool) -> list[str]:
+    """Content text: targets bold green; tool-call lines of an assistant message marked ⚙."""
+    out = []
+    lines = text.splitlines(keepends=True)
+    for is_call, group in itertools.groupby(lines, lambda line: calls and is_tool_call_line(line)):
+        if is_call:
+            out.extend(click.style(f"⚙ {line}", fg="yellow", bold=target) for line in group)
+        else:
+            part = "".join(group)
+            out.append(click.style(part, fg="green", bold=True) if target else part)
+    return out
 
 
 def render_window(view: WindowView, decode: Callable[[list[int]], str] | None) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from nedolm.data.inputs import FORMATS
 from nedolm.data.sources import RecordPolicy
 
 
@@ -25,6 +26,8 @@ class BuildOptions:
     val_shards: tuple[int, ...] = ()  # shard ids held out for validation
     val_fraction: float | None = None  # or: hold out the last ceil(fraction * N) shards
     policy: RecordPolicy = field(default_factory=RecordPolicy)
+    input_format: str = "auto"  # inputs.FORMATS: detected per input, or forced
+    messages_field: str | None = None  # the key/column holding the turns (default: messages)
     workers: int = 1  # 1: encode in this process; >1: a pool of processes
     chunk_records: int = 256
     overwrite: bool = False  # replace an ``out`` that holds a different corpus
@@ -42,6 +45,10 @@ class BuildOptions:
             raise BuildError("give either --val-shards or --val-fraction, not both")
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             raise BuildError(f"--val-fraction must be in (0, 1), not {self.val_fraction}")
+        if self.input_format not in FORMATS:
+            raise BuildError(
+                f"--format must be one of {', '.join(FORMATS)}, not {self.input_format!r}"
+            )
         if self.workers < 1 or self.chunk_records < 1:
             raise BuildError("--workers and the chunk size must be at least 1")
 

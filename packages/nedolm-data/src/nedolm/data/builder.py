@@ -1,4 +1,4 @@
-"""The corpus builder: chat JSONL + a tokenizer → a verified DATA_DIR (SPEC §2).
+"""The corpus builder: chat records (``inputs``) + a tokenizer → a verified DATA_DIR (SPEC §2).
 
 ``build_corpus`` runs the stages: encode (``encode``: parse, tokenize, lay out documents with
 the renderer), write shards (``shards``), verify and write the contract, install (``install``).
@@ -22,7 +22,7 @@ from nedolm.data.build_options import BuildError, BuildOptions
 from nedolm.data.contract import dump_json, manifest_document, write_contract
 from nedolm.data.encode import ChunkEncoder, EncodedDocument, encoded_chunks
 from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE
-from nedolm.data.hashing import file_sha256
+from nedolm.data.inputs import input_sha256, input_size, read_records, source_names
 from nedolm.data.install import check_out, fresh_tmp_dir, install
 from nedolm.data.packing import (
     DROP_HARD_CONTINUATION,
@@ -31,8 +31,13 @@ from nedolm.data.packing import (
 )
 from nedolm.data.records import token_dtype
 from nedolm.data.shards import ShardSink
-from nedolm.data.sources import DUPLICATE_RECORD, InputError, Rejected, iter_lines
-from nedolm.data.tokenizer import build_special_tokens, copy_tokenizer_files, load_tokenizer
+from nedolm.data.sources import DUPLICATE_RECORD, InputError, Rejected
+from nedolm.data.tokenizer import (
+    build_special_tokens,
+    copy_tokenizer_files,
+    load_tokenizer,
+    registered_special_tokens,
+)
 from nedolm.data.verify import verify_corpus
 
 __all__ = ["BuildError", "BuildOptions", "BuildReport", "SourceReport", "build_corpus"]
@@ -40,6 +45,8 @@ __all__ = ["BuildError", "BuildOptions", "BuildReport", "SourceReport", "build_c
 TOKENIZER_DIR = "tokenizer"
 PLANNER_DROPS = (DROP_NO_TARGET, DROP_MESSAGE_TOO_LONG, DROP_HARD_CONTINUATION)
 """Documents the plan cannot use: always dropped and counted, never an error (SPEC §2)."""
+DROP_EXAMPLES = 20
+"""Dropped records quoted per reason in the report (their messages start with ``file:line``)."""
 
 
 class SourceReport(msgspec.Struct, frozen=True):
@@ -60,6 +67,7 @@ class BuildReport(msgspec.Struct, frozen=True):
     documents: int
     tokens: int
     identical_rebuild: bool  # ``out`` already held exactly this corpus; nothing changed
+    drop_examples: dict[str, list[str]] = {}  # reason -> up to DROP_EXAMPLES messages
 
     @property
     def records(self) -> int:
@@ -81,7 +89,8 @@ def build_corpus(
     *,
     progress: bool = False,
 ) -> BuildReport:
-    """Build ``out`` from chat JSONL ``inputs``; see the module docstring for the guarantees.
+    """Build ``out`` from chat ``inputs`` (files or ``datasets`` directories, read as
+    ``options.input_format``); see the module docstring for the guarantees.
 
     Raises:
         InputError: a bad record while the policy says "error" (names file and line).
@@ -90,7 +99,7 @@ def build_corpus(
         TokenizerError: the tokenizer cannot be loaded.
     """
     paths = [Path(p) for p in inputs]
-    _check_inputs(paths)
+    _check_inputs(paths, options)
     out = Path(out)
     check_out(out)
     if options.shard_count is not None:
@@ -103,9 +112,11 @@ def build_corpus(
     tmp = fresh_tmp_dir(out, SHARDS_DIR, TOKENIZER_DIR)
     try:
         copy_tokenizer_files(tokenizer, tmp / TOKENIZER_DIR)
-        (tmp / SPECIAL_TOKENS_FILE).write_bytes(dump_json(msgspec.to_builtins(specials)))
         sink = ShardSink(tmp / SHARDS_DIR, options, token_dtype(specials.vocab_size))
-        sources, digests = _write_shards(paths, encoder, options, sink, progress)
+        streamed, digests = _write_shards(paths, encoder, options, sink, progress)
+        sources = streamed.sources
+        registered = registered_special_tokens(specials, streamed.role_codes)
+        (tmp / SPECIAL_TOKENS_FILE).write_bytes(dump_json(msgspec.to_builtins(registered)))
         validation_ids = options.validation_ids(len(digests))
         result = verify_corpus(tmp, options.seq_len, content_sha256=digests, tokenizer=tokenizer)
         if result.problems:
@@ -129,7 +140,16 @@ def build_corpus(
         documents=result.report.documents,
         tokens=result.report.tokens_including_eos,
         identical_rebuild=identical,
+        drop_examples=streamed.drop_examples,
     )
+
+
+class _Streamed(msgspec.Struct):
+    """What streaming the inputs found besides the documents."""
+
+    sources: list[SourceReport]
+    role_codes: set[int]  # roles of the kept messages: which ones SPECIAL_TOKENS.json registers
+    drop_examples: dict[str, list[str]]
 
 
 def _write_shards(
@@ -138,11 +158,11 @@ def _write_shards(
     options: BuildOptions,
     sink: ShardSink,
     progress: bool,
-) -> tuple[list[SourceReport], list[str]]:
+) -> tuple[_Streamed, list[str]]:
     """Encode every input into ``sink``; the per-source accounting and the shard digests."""
     try:
-        sources = _stream(paths, encoder, options, sink, progress)
-        return sources, sink.finish()
+        streamed = _stream(paths, encoder, options, sink, progress)
+        return streamed, sink.finish()
     except BaseException:
         sink.abort()
         raise
@@ -154,22 +174,26 @@ def _stream(
     options: BuildOptions,
     sink: ShardSink,
     progress: bool,
-) -> list[SourceReport]:
+) -> _Streamed:
+    names = source_names(paths)
     records = [0] * len(paths)
     kept = [0] * len(paths)
     dropped: list[Counter[str]] = [Counter() for _ in paths]
+    examples: dict[str, list[str]] = {}
+    role_codes: set[int] = set()
     seen: dict[int, str] = {}
-    total_bytes = sum(p.stat().st_size for p in paths)
+    total_bytes = sum(input_size(p) for p in paths)
     with tqdm(
         total=total_bytes, unit="B", unit_scale=True, disable=not progress, desc="prepare"
     ) as bar:
-        for source, size, results in encoded_chunks(paths, encoder, options):
+        chunks = encoded_chunks(paths, names, encoder, options, lambda n: bar.update(n - bar.n))
+        for source, results in chunks:
             for result in results:
                 records[source] += 1
                 if isinstance(result, EncodedDocument) and result.doc_key in seen:
                     result = Rejected(
                         DUPLICATE_RECORD,
-                        f"{paths[source].name}:{result.line}: same record id as {seen[result.doc_key]}",
+                        f"{names[source]}:{result.line}: same record id as {seen[result.doc_key]}",
                     )
                 if isinstance(result, Rejected):
                     if result.reason not in PLANNER_DROPS and options.policy.stops_on(
@@ -177,28 +201,35 @@ def _stream(
                     ):
                         raise InputError(result.message)
                     dropped[source][result.reason] += 1
+                    quoted = examples.setdefault(result.reason, [])
+                    if len(quoted) < DROP_EXAMPLES:
+                        quoted.append(result.message)
                     continue
-                seen[result.doc_key] = f"{paths[source].name}:{result.line}"
+                seen[result.doc_key] = f"{names[source]}:{result.line}"
+                role_codes.update(result.segments["role"].tolist())
                 sink.add(result)
                 kept[source] += 1
-            bar.update(size)
+            bar.set_postfix(records=sum(records), refresh=False)
     if not sum(kept):
         raise BuildError(
             "no document was kept; see the drop reasons: " + str(sum(dropped, Counter()))
         )
-    return [
+    sources = [
         SourceReport(
-            name=p.name, sha256=file_sha256(p), records=r, kept=k, dropped=dict(sorted(d.items()))
+            name=n, sha256=input_sha256(p), records=r, kept=k, dropped=dict(sorted(d.items()))
         )
-        for p, r, k, d in zip(paths, records, kept, dropped, strict=True)
+        for n, p, r, k, d in zip(names, paths, records, kept, dropped, strict=True)
     ]
+    return _Streamed(sources, role_codes, dict(sorted(examples.items())))
 
 
-def _check_inputs(paths: Sequence[Path]) -> None:
+def _check_inputs(paths: Sequence[Path], options: BuildOptions) -> None:
+    """Refuse a missing, unreadable or empty input before any work (the message names it)."""
     if not paths:
         raise BuildError("no input files given")
     for path in paths:
-        if not path.is_file():
+        if not path.exists():
             raise BuildError(f"{path}: input file not found")
-        if next(iter_lines(path), None) is None:
+        records = read_records(path, options.input_format, options.messages_field)
+        if next(records, None) is None:
             raise BuildError(f"{path}: holds no records")

@@ -26,7 +26,7 @@ from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE, SpecialTokens
 from nedolm.data.hashing import file_sha256, hash_files
 from nedolm.data.packing import PackingCounts
-from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS
+from nedolm.data.records import BASE_ROLES, MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS
 from nedolm.data.schema import (
     CONTINUATION_POLICY,
     PACKING_AUDIT_SCHEMA,
@@ -339,9 +339,11 @@ def control_registry_problem(special: SpecialTokens) -> str | None:
 
 
 def role_registry_problem(special: SpecialTokens) -> str | None:
-    """The role registry is the Turkish one of the SPEC."""
-    if special.roles != ROLE_HEADERS:
-        return f"unexpected role registry: {special.roles}, expected {ROLE_HEADERS}"
+    """The role registry is the Turkish one of the SPEC: the base roles, plus the optional
+    registry roles (``tool``) the corpus registered."""
+    expected = {n: w for n, w in ROLE_HEADERS.items() if n in BASE_ROLES or n in special.roles}
+    if special.roles != expected:
+        return f"unexpected role registry: {special.roles}, expected {expected}"
     return None
 
 

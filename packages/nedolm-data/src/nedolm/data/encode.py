@@ -3,8 +3,9 @@
 Chunks are parsed and encoded in-process (a ``tokenizers`` or ``sentencepiece`` batch encode
 already uses every core; one thread tokenizes the next chunk while this one lays out documents)
 or in a pool of worker processes (``--workers``). Either way results come back in input order,
-so the corpus is the same whatever the number of workers. Reading records is ``sources``'s job
-(``iter_lines`` + ``parse_record``): a new input format plugs in there.
+so the corpus is the same whatever the number of workers. Reading records is ``inputs``'s job
+(``read_records``: JSON lines, ShareGPT, Parquet, ``datasets``), parsing them ``sources``'s
+(``parse_record``): a new input format plugs in there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import multiprocessing.pool
 import os
 import sys
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 
 from nedolm.data.build_options import BuildOptions
 from nedolm.data.format import SpecialTokens
+from nedolm.data.inputs import input_size, read_records
 from nedolm.data.packing import document_drop_reason
 from nedolm.data.records import ROLE_NAMES, token_dtype
 from nedolm.data.render import ConversationLayout, message_segments
@@ -33,13 +35,12 @@ from nedolm.data.sources import (
     Conversation,
     RecordPolicy,
     Rejected,
-    iter_lines,
     parse_record,
 )
 from nedolm.data.tokenizer import TextTokenizer, load_tokenizer
 
-Lines = list[tuple[int, bytes]]
-"""(line number, raw line) of one chunk of an input file."""
+Lines = list[tuple[int, bytes | Rejected]]
+"""(record number, record JSON or the reader's rejection) of one chunk of an input."""
 
 
 @dataclass
@@ -70,14 +71,15 @@ class ChunkEncoder:
         self.header_len = np.array([len(self.layout.headers[name]) for name in ROLE_NAMES])
         self.dtype = token_dtype(specials.vocab_size)
 
-    def encode(self, source_name: str, lines: Sequence[tuple[int, bytes]]) -> list[Encoded]:
+    def encode(self, source_name: str, lines: Lines) -> list[Encoded]:
         parsed = self.parse(source_name, lines)
         return self.assemble(source_name, lines, parsed, self.tokenize(parsed))
 
-    def parse(
-        self, source_name: str, lines: Sequence[tuple[int, bytes]]
-    ) -> list[Conversation | Rejected]:
-        return [parse_record(raw, source_name, line, self.policy) for line, raw in lines]
+    def parse(self, source_name: str, lines: Lines) -> list[Conversation | Rejected]:
+        return [
+            raw if isinstance(raw, Rejected) else parse_record(raw, source_name, line, self.policy)
+            for line, raw in lines
+        ]
 
     def tokenize(self, parsed: Sequence[Conversation | Rejected]) -> list[list[int]]:
         """Content ids of every message of the chunk's conversations (releases the GIL)."""
@@ -87,7 +89,7 @@ class ChunkEncoder:
     def assemble(
         self,
         source_name: str,
-        lines: Sequence[tuple[int, bytes]],
+        lines: Lines,
         parsed: Sequence[Conversation | Rejected],
         ids: list[list[int]],
     ) -> list[Encoded]:
@@ -135,11 +137,18 @@ class ChunkEncoder:
 
 
 def encoded_chunks(
-    paths: Sequence[Path], encoder: ChunkEncoder, options: BuildOptions
-) -> Iterator[tuple[int, int, list[Encoded]]]:
-    """(source, bytes read, results) per chunk, in input order, at most 2*workers in flight."""
-    names = [p.name for p in paths]
-    chunks = _chunks(paths, options.chunk_records)
+    paths: Sequence[Path],
+    names: Sequence[str],
+    encoder: ChunkEncoder,
+    options: BuildOptions,
+    on_bytes: Callable[[int], None] = lambda _: None,
+) -> Iterator[tuple[int, list[Encoded]]]:
+    """(source, results) per chunk, in input order, at most 2*workers chunks in flight.
+
+    ``names[i]`` names input ``i`` in keys and messages; ``on_bytes`` gets the bytes read so far
+    over all inputs (``inputs.input_size`` units), for a progress bar.
+    """
+    chunks = _chunks(paths, names, options, on_bytes)
     if options.workers == 1:
         yield from _pipelined(chunks, names, encoder)
         return
@@ -147,36 +156,38 @@ def encoded_chunks(
     with _worker_pool(options.workers, init) as pool:
         pending: deque = deque()
         for source, lines in chunks:
-            pending.append(
-                (
-                    source,
-                    sum(len(r) for _, r in lines),
-                    pool.apply_async(_encode_in_worker, (names[source], lines)),
-                )
-            )
+            pending.append((source, pool.apply_async(_encode_in_worker, (names[source], lines))))
             if len(pending) >= 2 * options.workers:
-                source_done, size, result = pending.popleft()
-                yield source_done, size, result.get()
+                source_done, result = pending.popleft()
+                yield source_done, result.get()
         while pending:
-            source_done, size, result = pending.popleft()
-            yield source_done, size, result.get()
+            source_done, result = pending.popleft()
+            yield source_done, result.get()
 
 
-def _chunks(paths: Sequence[Path], size: int) -> Iterator[tuple[int, Lines]]:
+def _chunks(
+    paths: Sequence[Path],
+    names: Sequence[str],
+    options: BuildOptions,
+    on_bytes: Callable[[int], None],
+) -> Iterator[tuple[int, Lines]]:
+    done = 0
     for source, path in enumerate(paths):
-        chunk: Lines = []
-        for item in iter_lines(path):
-            chunk.append(item)
-            if len(chunk) == size:
-                yield source, chunk
-                chunk = []
-        if chunk:
+        records = read_records(
+            path,
+            options.input_format,
+            options.messages_field,
+            on_progress=lambda n, before=done: on_bytes(before + n),
+            name=names[source],
+        )
+        while chunk := list(itertools.islice(records, options.chunk_records)):
             yield source, chunk
+        done += input_size(path)
 
 
 def _pipelined(
-    chunks: Iterator[tuple[int, Lines]], names: list[str], encoder: ChunkEncoder
-) -> Iterator[tuple[int, int, list[Encoded]]]:
+    chunks: Iterator[tuple[int, Lines]], names: Sequence[str], encoder: ChunkEncoder
+) -> Iterator[tuple[int, list[Encoded]]]:
     """In-process encoding overlapped with Python work: one thread runs the tokenizer on the
     next chunk (the tokenizer releases the GIL) while this one parses and lays out documents."""
     with ThreadPoolExecutor(max_workers=1) as tokenizer_thread:
@@ -192,10 +203,11 @@ def _pipelined(
             yield _assembled(pending.popleft(), names, encoder)
 
 
-def _assembled(item: tuple, names: list[str], encoder: ChunkEncoder) -> tuple[int, int, list]:
+def _assembled(
+    item: tuple, names: Sequence[str], encoder: ChunkEncoder
+) -> tuple[int, list[Encoded]]:
     source, lines, parsed, ids = item
-    results = encoder.assemble(names[source], lines, parsed, ids.result())
-    return source, sum(len(raw) for _, raw in lines), results
+    return source, encoder.assemble(names[source], lines, parsed, ids.result())
 
 
 _WORKER: ChunkEncoder | None = None

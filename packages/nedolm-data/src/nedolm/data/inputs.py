@@ -24,15 +24,19 @@ that was absent from one that was null, and ``parse_record`` treats the two alik
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
+import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgspec
 
+from nedolm.data.hashing import file_sha256
 from nedolm.data.sharegpt import ShareGPTError, is_sharegpt_turns, to_openai
 from nedolm.data.sources import MISSING_MESSAGES, InputError, Rejected
 
@@ -45,6 +49,7 @@ ProgressHook = Callable[[int], None]
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _PARQUET_MAGIC = b"PAR1"
+_NORMALISED_SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".parquet")
 _PROGRESS_EVERY = 1024  # records between two progress calls for JSON lines
 _BATCH_ROWS = 1024  # Arrow rows converted at once
 _encode = msgspec.json.Encoder().encode
@@ -78,16 +83,53 @@ def input_size(path: Path | str) -> int:
     return path.stat().st_size
 
 
+def source_names(paths: Sequence[Path | str]) -> list[str]:
+    """The name of each input in record keys, messages and the build report.
+
+    Its path relative to the inputs' common directory, so ``a/train.jsonl`` and
+    ``b/train.jsonl`` differ, with the data-format suffix written as ``.jsonl``
+    (``train.parquet``, ``train.jsonl.gz``, a ``datasets`` directory ``train`` → ``train.jsonl``),
+    so the same conversations in any format get the same keys and shards. Inputs whose names
+    would then coincide keep their suffixes.
+    """
+    resolved = [Path(p).resolve() for p in paths]
+    common = Path(os.path.commonpath([p.parent for p in resolved]))
+    relative = [p.relative_to(common).as_posix() for p in resolved]
+    normalised = [_as_jsonl(name, p.is_dir()) for name, p in zip(relative, resolved, strict=True)]
+    taken = Counter(normalised)
+    return [n if taken[n] == 1 else r for n, r in zip(normalised, relative, strict=True)]
+
+
+def _as_jsonl(name: str, is_dir: bool) -> str:
+    if is_dir:
+        return f"{name}.jsonl"
+    for suffix in _NORMALISED_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + ".jsonl"
+    return name
+
+
+def input_sha256(path: Path | str) -> str:
+    """sha256 of a file; of a ``datasets`` directory, sha256 over its Arrow files' digests."""
+    path = Path(path)
+    if not path.is_dir():
+        return file_sha256(path)
+    digests = "".join(file_sha256(file) for file in _arrow_files(path))
+    return hashlib.sha256(digests.encode()).hexdigest()
+
+
 def read_records(
     path: Path | str,
     input_format: str = "auto",
     messages_field: str | None = None,
     on_progress: ProgressHook | None = None,
+    name: str | None = None,
 ) -> Iterator[tuple[int, bytes | Rejected]]:
     """(record number, canonical JSON bytes or a rejection) of every record of one input.
 
     ``messages_field`` names the key (JSON lines) or column (Arrow) holding the turns, OpenAI
     or ShareGPT; by default ``messages``, then ``conversations`` (Alpaca records have neither).
+    ``name`` names the input in rejections (default: the file name; see ``source_names``).
     """
     if input_format not in FORMATS:
         raise ValueError(f"input format must be one of {', '.join(FORMATS)}, not {input_format!r}")
@@ -100,18 +142,19 @@ def read_records(
     elif input_format in ("parquet", "datasets") and detected != input_format:
         raise InputError(f"{path}: is not a {input_format} input (looks like {detected})")
     hook = on_progress or (lambda _: None)
+    name = name or path.name
     if input_format == "parquet":
-        return _parquet_records(path, messages_field, hook)
+        return _parquet_records(path, name, messages_field, hook)
     if input_format == "datasets":
-        return _datasets_records(path, messages_field, hook)
-    return _jsonl_records(path, input_format == "sharegpt", messages_field, hook)
+        return _datasets_records(path, name, messages_field, hook)
+    return _jsonl_records(path, name, input_format == "sharegpt", messages_field, hook)
 
 
 # --- JSON lines --------------------------------------------------------------------------------
 
 
 def _jsonl_records(
-    path: Path, sharegpt: bool, field: str | None, hook: ProgressHook
+    path: Path, name: str, sharegpt: bool, field: str | None, hook: ProgressHook
 ) -> Iterator[tuple[int, bytes | Rejected]]:
     with path.open("rb") as raw:
         lines = _decompressed(raw, path)
@@ -123,10 +166,10 @@ def _jsonl_records(
                 if line_no % _PROGRESS_EVERY == 0:
                     hook(raw.tell())
                 if line.strip():
-                    yield line_no, _jsonl_record(line, path.name, line_no, sharegpt, field)
+                    yield line_no, _jsonl_record(line, name, line_no, sharegpt, field)
         except (EOFError, OSError, zlib.error) as exc:
             raise InputError(
-                f"{path.name}:{line_no + 1}: the compressed stream is cut or damaged ({exc})"
+                f"{name}:{line_no + 1}: the compressed stream is cut or damaged ({exc})"
             ) from None
         hook(raw.tell())
 
@@ -211,7 +254,7 @@ def _jsonl_record(
 
 
 def _parquet_records(
-    path: Path, field: str | None, hook: ProgressHook
+    path: Path, name: str, field: str | None, hook: ProgressHook
 ) -> Iterator[tuple[int, bytes | Rejected]]:
     pq = _pyarrow_module("pyarrow.parquet", "parquet", path)
     try:
@@ -225,14 +268,14 @@ def _parquet_records(
         # One row group at a time: iter_batches over the whole file pre-buffers every row group.
         for group in range(parquet.num_row_groups):
             for batch in parquet.iter_batches(batch_size=_BATCH_ROWS, row_groups=[group]):
-                yield from _batch_records(batch, path.name, row, field)
+                yield from _batch_records(batch, name, row, field)
                 row += batch.num_rows
                 hook(size * row // rows)  # pages are compressed per column: rows are the gauge
     hook(size)
 
 
 def _datasets_records(
-    path: Path, field: str | None, hook: ProgressHook
+    path: Path, name: str, field: str | None, hook: ProgressHook
 ) -> Iterator[tuple[int, bytes | Rejected]]:
     pa = _pyarrow_module("pyarrow", "datasets", path)
     files = _arrow_files(path)
@@ -245,7 +288,7 @@ def _datasets_records(
                 raise InputError(f"{file}: not an Arrow stream file ({exc})") from None
             column = _message_column(path, reader.schema.names, field)
             for batch in reader:
-                yield from _batch_records(batch, path.name, row, column)
+                yield from _batch_records(batch, name, row, column)
                 row += batch.num_rows
                 hook(done + source.tell())
         done += file.stat().st_size

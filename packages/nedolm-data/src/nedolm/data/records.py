@@ -18,18 +18,34 @@ MESSAGE_END_TOKEN = "<|mesaj_bitir|>"
 ROLE_SYSTEM = 0
 ROLE_USER = 1
 ROLE_ASSISTANT = 2
-ROLE_NAMES = ("system", "user", "assistant")
+ROLE_TOOL = 3
+ROLE_NAMES = ("system", "user", "assistant", "tool")
 """Role code -> OpenAI role name; the code is the position in this tuple."""
 
-ROLE_HEADERS = {"system": "sistem", "user": "kullanici", "assistant": "asistan"}
-"""The role registry of SPECIAL_TOKENS.json: role name -> Turkish header word."""
+ROLE_HEADERS = {"system": "sistem", "user": "kullanici", "assistant": "asistan", "tool": "araç"}
+"""The role registry: role name -> Turkish header word."""
+
+BASE_ROLES = ("system", "user", "assistant")
+"""The roles every corpus registers in SPECIAL_TOKENS.json (the seed's registry). The others
+(``tool``) are registered only by a corpus holding such messages, so a corpus without them keeps
+the seed's contract byte for byte."""
+
+
+def registered_roles(role_codes: set[int]) -> dict[str, str]:
+    """The role registry of a corpus whose messages use ``role_codes``: base roles + those used."""
+    return {
+        name: ROLE_HEADERS[name]
+        for code, name in enumerate(ROLE_NAMES)
+        if name in BASE_ROLES or code in role_codes
+    }
+
 
 SEGMENT_DTYPE = np.dtype(
     [
         ("start", "<u4"),  # document-relative position of the message's <|mesaj_basla|>
         ("length", "<u4"),  # whole message: start token + header + content + end token
         ("header_len", "<u2"),  # start token + role header tokens; content begins after it
-        ("role", "u1"),  # ROLE_SYSTEM / ROLE_USER / ROLE_ASSISTANT
+        ("role", "u1"),  # ROLE_SYSTEM / ROLE_USER / ROLE_ASSISTANT / ROLE_TOOL
         ("trainable", "u1"),  # 1: content and end token are targets; 0: context only
     ]
 )

@@ -15,6 +15,7 @@ decided in ``message_segments``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ ROLE_HEADER_FORMAT = "{word}\n"
 GENERATION_ROLE = "assistant"
 """The role of the open turn a prompt ends with: the model writes its content."""
 
+TOOLS_HEADER = "Kullanılabilir araçlar:"
+"""The first line of the tools block appended to the system message (one JSON line per tool)."""
+
 
 class LayoutError(ValueError):
     """A conversation the layout cannot render (an unknown role); names the role."""
@@ -42,6 +46,47 @@ class LayoutError(ValueError):
 
 def role_header_text(word: str) -> str:
     return ROLE_HEADER_FORMAT.format(word=word)
+
+
+def tool_call_line(name: str, arguments: str) -> str:
+    """One call of an assistant message as text: ``{"name": "f", "arguments": {...}}``.
+
+    ``arguments`` is the call's JSON text as given (already checked to be JSON).
+    """
+    return f'{{"name": {_json(name)}, "arguments": {arguments}}}'
+
+
+def is_tool_call_line(line: str) -> bool:
+    """Whether a line of an assistant message's text is a ``tool_call_line``."""
+    line = line.rstrip("\n")
+    return line.startswith('{"name": ') and ', "arguments": ' in line and line.endswith("}")
+
+
+def assistant_text(content: str, call_lines: Sequence[str]) -> str:
+    """An assistant message's text: its content, then one line per tool call."""
+    calls = "\n".join(call_lines)
+    if not calls:
+        return content
+    return f"{content}\n{calls}" if content.strip() else calls
+
+
+def tools_block(tools: Sequence[Mapping]) -> str:
+    """The tool schemas of a record as text for the system message: a header, one JSON line each
+    (keys sorted, so the text does not depend on the order a file format kept them in)."""
+    return "\n".join([TOOLS_HEADER, *(_json(tool, sort_keys=True) for tool in tools)])
+
+
+def system_text(system: str | None, tools: Sequence[Mapping]) -> str | None:
+    """The system message with the tools block appended (or the block alone when none)."""
+    if not tools:
+        return system
+    block = tools_block(tools)
+    return f"{system}\n\n{block}" if system is not None else block
+
+
+def _json(value: object, sort_keys: bool = False) -> str:
+    """``json.dumps`` as Hugging Face's ``tojson`` Jinja filter writes it (non-ASCII kept)."""
+    return json.dumps(value, ensure_ascii=False, sort_keys=sort_keys)
 
 
 def message_segments(
@@ -137,6 +182,8 @@ def chat_template(eos_token: str, roles: Mapping[str, str] = ROLE_HEADERS) -> st
 
     A full conversation renders like ``ConversationLayout.document`` (EOS last); with
     ``add_generation_prompt`` like ``ConversationLayout.prompt``. An unknown role is an error.
+    Assistant ``tool_calls`` and the ``tools`` argument render as the builder renders them
+    (``assistant_text`` of ``tool_call_line``s, ``system_text``).
     """
     headers = "".join(
         f"{{% {'if' if i == 0 else 'elif'} message['role'] == '{role}' %}}{role_header_text(word)}"
@@ -144,8 +191,38 @@ def chat_template(eos_token: str, roles: Mapping[str, str] = ROLE_HEADERS) -> st
     )
     unknown = "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
     open_turn = MESSAGE_START_TOKEN + role_header_text(roles[GENERATION_ROLE])
+    system_turn = MESSAGE_START_TOKEN + role_header_text(roles["system"])
     return (
+        f"{_TOOLS_JINJA}"
+        f"{{% if ns.tools and messages[0]['role'] != 'system' %}}"
+        f"{system_turn}{{{{ ns.tools }}}}{MESSAGE_END_TOKEN}{{% endif %}}"
         f"{{% for message in messages %}}{MESSAGE_START_TOKEN}{headers}{unknown}"
-        f"{{{{ message['content'] }}}}{MESSAGE_END_TOKEN}{{% endfor %}}"
+        f"{_CONTENT_JINJA}{{{{ content }}}}{MESSAGE_END_TOKEN}{{% endfor %}}"
         f"{{% if add_generation_prompt %}}{open_turn}{{% else %}}{eos_token}{{% endif %}}"
     )
+
+
+_TOOLS_JINJA = (
+    "{% set ns = namespace(tools='', calls='') %}"
+    "{% if tools %}{% set ns.tools = '" + TOOLS_HEADER + "' %}"
+    "{% for tool in tools %}{% set ns.tools = ns.tools + '\\n' + (tool | tojson(sort_keys=True)) %}"
+    "{% endfor %}{% endif %}"
+)
+"""``tools_block`` in Jinja: ``ns.tools`` is the block, or empty without tools."""
+
+_CONTENT_JINJA = (
+    "{% set content = message['content'] if message['content'] is string else '' %}"
+    "{% if loop.first and message['role'] == 'system' and ns.tools %}"
+    "{% set content = content + '\\n\\n' + ns.tools %}{% endif %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}{% set ns.calls = '' %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{% set a = f['arguments'] if f['arguments'] is defined else {} %}"
+    "{% set a = a if a is string else (a | tojson) %}"
+    "{% set ns.calls = ns.calls + ('' if loop.first else '\\n')"
+    " + '{\"name\": ' + (f['name'] | tojson) + ', \"arguments\": ' + a + '}' %}"
+    "{% endfor %}"
+    "{% set content = (content + '\\n' + ns.calls) if content | trim else ns.calls %}{% endif %}"
+)
+"""A message's text in Jinja: ``system_text`` for the first system message, ``assistant_text``
+of its ``tool_call_line``s for an assistant message with calls, else its content."""

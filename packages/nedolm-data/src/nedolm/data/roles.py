@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nedolm.data.packing import PlannedShard
-from nedolm.data.records import ROLE_ASSISTANT, ROLE_NAMES
+from nedolm.data.records import BASE_ROLES, ROLE_ASSISTANT, ROLE_NAMES
 
 
 class RoleError(ValueError):
@@ -79,11 +79,16 @@ def audit_roles(segments: np.ndarray) -> RoleAudit:
 
 
 def role_totals(audits: Sequence[RoleAudit]) -> dict[str, int]:
-    """Summed counts: messages per role name, plus trainable and context-only assistant ones."""
-    counts = dict.fromkeys(ROLE_NAMES, 0) | {"assistant_trainable": 0, "assistant_context": 0}
+    """Summed counts: messages per role name, plus trainable and context-only assistant ones.
+
+    The base roles are always counted; another role (``tool``) only when it has messages, so a
+    corpus without them reports exactly the seed's keys.
+    """
+    counts = dict.fromkeys(BASE_ROLES, 0) | {"assistant_trainable": 0, "assistant_context": 0}
     for audit in audits:
         for name, count in audit.messages_by_role.items():
-            counts[name] += count
+            if count or name in BASE_ROLES:
+                counts[name] = counts.get(name, 0) + count
         counts["assistant_trainable"] += audit.assistant_trainable
         counts["assistant_context"] += audit.assistant_context
     return counts

@@ -5,9 +5,11 @@ a ``Rejected`` with a reason code and a message naming the file and line. Whethe
 stops the build or is dropped and counted is the builder's decision (``RecordPolicy``), so every
 reason is reported the same way either way.
 
-Targets (SPEC §2): only assistant messages are trainable; an assistant message that carries
-``tool_calls`` or says ``"train": false`` is context only. Tool calls are rendered as JSON text
-after the message content so the model still sees them.
+Targets (SPEC §2): only assistant messages are trainable; an assistant message that says
+``"train": false`` is context only, and so is one that carries ``tool_calls`` unless the policy
+trains tool calls (``prepare --train-tool-calls``). Tool calls are rendered after the message
+content, one line per call, and a record's ``tools`` schemas are appended to its system message
+(``render.tool_call_line`` / ``render.system_text``); ``tool`` messages are context.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from nedolm.data.records import (
     ROLE_SYSTEM,
     ROLE_USER,
 )
+from nedolm.data.render import assistant_text, system_text, tool_call_line
 
 # Rejection reasons. The first group is bad input (error unless the user drops invalid records);
 # unsupported roles have their own policy.
@@ -42,6 +45,7 @@ CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
 SPECIAL_TOKEN_IN_CONTENT = "special_token_in_content"
 DUPLICATE_RECORD = "duplicate_record"
 UNSUPPORTED_ROLE = "unsupported_role"
+INVALID_TOOL_CALL = "invalid_tool_call"
 
 _CONTROL_STRINGS = (MESSAGE_START_TOKEN, MESSAGE_END_TOKEN)
 _ROLE_CODES = {name: code for code, name in enumerate(ROLE_NAMES)}
@@ -58,6 +62,7 @@ class RecordPolicy:
     invalid_records: str = "error"  # "error" | "drop": malformed JSON, empty content, ...
     unsupported_roles: str = "error"  # "error" | "drop": a role outside system/user/assistant
     role_map: dict[str, str] = field(default_factory=dict)  # e.g. {"tool": "user"}; context only
+    train_tool_calls: bool = False  # assistant messages with tool_calls become targets
 
     def __post_init__(self) -> None:
         for name in ("invalid_records", "unsupported_roles"):
@@ -74,7 +79,7 @@ class RecordPolicy:
 
 @dataclass(frozen=True)
 class Message:
-    role: int  # ROLE_SYSTEM / ROLE_USER / ROLE_ASSISTANT
+    role: int  # ROLE_SYSTEM / ROLE_USER / ROLE_ASSISTANT / ROLE_TOOL
     text: str
     trainable: bool
 
@@ -138,7 +143,7 @@ def _parse(raw: bytes, source_name: str, line_no: int, policy: RecordPolicy) -> 
     if not isinstance(record, dict):
         raise _Reject(INVALID_JSON, f"a record must be a JSON object, not {type(record).__name__}")
     if "messages" in record:
-        messages = _chat_messages(record["messages"], policy)
+        messages = _with_tools(_chat_messages(record["messages"], policy), record.get("tools"))
     elif "instruction" in record and "output" in record:
         messages = _alpaca_messages(record)
     else:
@@ -172,10 +177,11 @@ def _chat_messages(raw_messages: Any, policy: RecordPolicy) -> tuple[Message, ..
             raise _Reject(INVALID_MESSAGE, f"messages[{i}]: 'train' must be true or false")
         text = _content(item.get("content"), i, allow_empty=bool(tool_calls))
         if tool_calls:
-            text = _with_tool_calls(text, tool_calls, i)
+            text = assistant_text(text, _tool_call_lines(tool_calls, i))
         # A mapped role (e.g. tool=assistant) renders context; it never becomes a target.
         mapped = role_name != item["role"]
-        trainable = role == ROLE_ASSISTANT and train and not tool_calls and not mapped
+        calls_ok = not tool_calls or policy.train_tool_calls
+        trainable = role == ROLE_ASSISTANT and train and calls_ok and not mapped
         messages.append(Message(role=role, text=text, trainable=trainable))
     return tuple(messages)
 
@@ -213,11 +219,37 @@ def _content(value: Any, where: int | str, allow_empty: bool = False) -> str:
     return value
 
 
-def _with_tool_calls(text: str, tool_calls: Any, index: int) -> str:
-    """Context text for an assistant tool call: its content, then the calls as JSON."""
+def _tool_call_lines(tool_calls: Any, index: int) -> list[str]:
+    """The text lines of an assistant message's calls; arguments must be JSON."""
     if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
         raise _Reject(INVALID_MESSAGE, f"messages[{index}]: 'tool_calls' must be a list of objects")
-    calls = [c.get("function", c) for c in tool_calls]
-    rendered = json.dumps({"tool_calls": calls}, ensure_ascii=False, sort_keys=True)
-    _content(rendered, index)  # the calls' text obeys the same rules as content
-    return f"{text}\n{rendered}" if text.strip() else rendered
+    lines = []
+    for j, call in enumerate(tool_calls):
+        where = f"messages[{index}].tool_calls[{j}]"
+        function = call.get("function", call)
+        name, arguments = function.get("name"), function.get("arguments", {})
+        if not isinstance(name, str) or not name.strip():
+            raise _Reject(INVALID_TOOL_CALL, f"{where}: the call has no function name")
+        if isinstance(arguments, str):
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                raise _Reject(
+                    INVALID_TOOL_CALL, f"{where} ({name}): arguments are not valid JSON: {exc}"
+                ) from None
+        else:
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        lines.append(_content(tool_call_line(name, arguments), index))
+    return lines
+
+
+def _with_tools(messages: tuple[Message, ...], tools: Any) -> tuple[Message, ...]:
+    """The record's ``tools`` schemas appended to its first system message (or a new one)."""
+    if tools is None or tools == []:
+        return messages
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise _Reject(INVALID_MESSAGE, "'tools' must be a list of objects")
+    if messages[0].role == ROLE_SYSTEM:
+        system = Message(ROLE_SYSTEM, system_text(messages[0].text, tools), False)
+        return (system, *messages[1:])
+    return (Message(ROLE_SYSTEM, system_text(None, tools), False), *messages)

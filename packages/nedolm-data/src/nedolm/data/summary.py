@@ -48,7 +48,7 @@ def corpus_summary(data_dir: Path) -> dict[str, Any]:
         "documents": len(docs),
         "messages": len(lengths),
         "tokens_including_eos": int(docs.sum()),
-        "messages_by_role": {n: counts[n] for n in ROLE_NAMES},
+        "messages_by_role": {n: counts[n] for n in ROLE_NAMES if n in counts},
         "assistant_trainable_messages": counts["assistant_trainable"],
         "assistant_context_messages": counts["assistant_context"],
         "document_tokens": {
@@ -57,7 +57,7 @@ def corpus_summary(data_dir: Path) -> dict[str, Any]:
             "histogram": length_histogram(docs),
         },
         "message_tokens_by_role": {
-            n: length_histogram(lengths[role == c]) for c, n in enumerate(ROLE_NAMES)
+            n: length_histogram(lengths[role == c]) for c, n in enumerate(ROLE_NAMES) if n in counts
         },
     }
     manifest_path = data_dir / SHARD_MANIFEST_FILE

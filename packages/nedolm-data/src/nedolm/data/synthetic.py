@@ -25,14 +25,14 @@ from nedolm.data.format import (
 )
 from nedolm.data.packing import flat_ranges
 from nedolm.data.records import (
+    BASE_ROLES,
     INDEX_DTYPE,
     MESSAGE_END_TOKEN,
     MESSAGE_START_TOKEN,
     ROLE_ASSISTANT,
-    ROLE_HEADERS,
-    ROLE_NAMES,
     ROLE_SYSTEM,
     ROLE_USER,
+    registered_roles,
 )
 from nedolm.data.render import ConversationLayout, message_segments, message_starts
 from nedolm.data.schema import SPECIAL_TOKENS_SCHEMA
@@ -47,7 +47,7 @@ SYNTHETIC_LAYOUT = ConversationLayout(
     start_id=MESSAGE_START_ID,
     end_id=MESSAGE_END_ID,
     eos_id=EOS_ID,
-    headers={name: [FIRST_CONTENT_ID + code] for code, name in enumerate(ROLE_NAMES)},
+    headers={name: [FIRST_CONTENT_ID + code] for code, name in enumerate(BASE_ROLES)},
 )
 """The renderer's ids for synthetic corpora: header tokens are ``FIRST_CONTENT_ID + role``."""
 
@@ -119,7 +119,7 @@ def sample_conversations(params: dict, n: int, seed: int) -> Conversations:
     )
     content = np.zeros(len(role), np.int64)
     header = np.zeros(len(role), np.int64)
-    for code, name in enumerate(ROLE_NAMES):
+    for code, name in enumerate(BASE_ROLES):
         hist = params["content_tokens"][name]
         mask = role == code
         p = np.array(hist["counts"], np.float64)
@@ -167,7 +167,7 @@ def tokens_for(
     total = int(index["token_len"].astype(np.int64).sum())
     dtype = np.uint16 if vocab_size + 2 <= 1 << 16 else np.uint32
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(FIRST_CONTENT_ID + len(ROLE_NAMES), vocab_size, size=total)
+    tokens = rng.integers(FIRST_CONTENT_ID + len(BASE_ROLES), vocab_size, size=total)
     start = message_starts(index, segments)
     header_len = segments["header_len"].astype(np.int64)
     in_header = np.repeat(start, header_len) + flat_ranges(header_len)
@@ -210,7 +210,7 @@ def write_corpus(
             ControlToken(id=MESSAGE_START_ID, token=MESSAGE_START_TOKEN),
             ControlToken(id=MESSAGE_END_ID, token=MESSAGE_END_TOKEN),
         ],
-        roles=dict(ROLE_HEADERS),
+        roles=registered_roles(set()),
         role_header_token_ids={name: list(ids) for name, ids in SYNTHETIC_LAYOUT.headers.items()},
         tokenizer=TokenizerInfo(  # no tokenizer file: readers show ids
             name="synthetic", file="", kind="synthetic", sha256="", base_vocab_size=32000

@@ -22,13 +22,20 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import msgspec
+
 from nedolm.data.format import (
     ControlToken,
     SpecialTokens,
     TokenizerInfo,
 )
 from nedolm.data.hashing import file_sha256
-from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS
+from nedolm.data.records import (
+    MESSAGE_END_TOKEN,
+    MESSAGE_START_TOKEN,
+    ROLE_HEADERS,
+    registered_roles,
+)
 from nedolm.data.render import role_header_text
 from nedolm.data.schema import SPECIAL_TOKENS_SCHEMA
 
@@ -218,6 +225,9 @@ def copy_tokenizer_files(tokenizer: TextTokenizer, out_dir: Path) -> None:
 def build_special_tokens(tokenizer: TextTokenizer, tokenizer_file: str) -> SpecialTokens:
     """The corpus's ids (SPEC §2) for ``tokenizer``; ``tokenizer_file`` is its path in DATA_DIR.
 
+    Every role of the registry gets its header ids; ``registered_special_tokens`` narrows them to
+    the roles a built corpus uses before SPECIAL_TOKENS.json is written.
+
     Control ids follow the base vocabulary (32000, 32001 for NedoLM's tokenizer) unless the
     tokenizer already holds the control tokens, whose ids are then kept. The pad id is the
     tokenizer's own if distinct from EOS, else the next free id, so padding is never EOS (EOS
@@ -257,3 +267,11 @@ def build_special_tokens(tokenizer: TextTokenizer, tokenizer_file: str) -> Speci
             base_vocab_size=base,
         ),
     )
+
+
+def registered_special_tokens(specials: SpecialTokens, role_codes: set[int]) -> SpecialTokens:
+    """``specials`` registering only the base roles and the roles in ``role_codes``
+    (``records.registered_roles``): a corpus without tool messages keeps the seed's registry."""
+    roles = registered_roles(role_codes)
+    headers = {name: specials.role_header_token_ids[name] for name in roles}
+    return msgspec.structs.replace(specials, roles=roles, role_header_token_ids=headers)

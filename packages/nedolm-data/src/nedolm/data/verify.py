@@ -54,7 +54,7 @@ from nedolm.data.format import (
 )
 from nedolm.data.hashing import ContentDigest, file_sha256
 from nedolm.data.packing import PackingCounts, PackingError, plan_shard
-from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_HEADERS, ROLE_NAMES
+from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_NAMES
 from nedolm.data.roles import RoleAudit, audit_roles, role_totals
 from nedolm.data.schema import VERIFY_SCHEMA
 from nedolm.data.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
@@ -364,7 +364,7 @@ def verify_corpus(
         shards=len(shards),
         documents=sum(f.documents for f in per_shard),
         messages=sum(f.messages for f in per_shard),
-        messages_by_role={n: roles[n] for n in ROLE_NAMES},
+        messages_by_role={n: roles[n] for n in ROLE_NAMES if n in roles},
         trainable_messages=sum(f.roles.trainable for f in per_shard if f.roles is not None),
         tokens_including_eos=sum(f.tokens for f in per_shard),
         max_token_id=max(f.max_token_id for f in per_shard),
@@ -421,16 +421,16 @@ def _check_special_tokens(
                 f"{copy}: sha256 differs from the one recorded in {SPECIAL_TOKENS_FILE}"
             )
         tokenizer = tokenizer or _load_tokenizer(copy, digest)
-        encoded = tokenizer.encode_batch([f"{w}\n" for w in ROLE_HEADERS.values()])
+        encoded = tokenizer.encode_batch([f"{w}\n" for w in specials.roles.values()])
     except (OSError, TokenizerError) as exc:
         failed.setdefault("turkish_user_header_verified", []).append(
             f"cannot re-encode the role headers: {exc}"
         )
         return
-    for role, ids in zip(ROLE_HEADERS, encoded, strict=True):
+    for role, ids in zip(specials.roles, encoded, strict=True):
         if specials.role_header_token_ids.get(role) != ids:
             failed.setdefault("turkish_user_header_verified", []).append(
-                f"{where} {role} header ids {specials.role_header_token_ids.get(role)} != tokenizer's {ids} for {ROLE_HEADERS[role]!r}"
+                f"{where} {role} header ids {specials.role_header_token_ids.get(role)} != tokenizer's {ids} for {specials.roles[role]!r}"
             )
 
 
