@@ -37,6 +37,7 @@ from nedolm.model import build_model, preset
 from nedolm.train.config import OptimConfig
 from nedolm.train.optim import build_optimizer
 from nedolm.train.parallel import maybe_no_sync, parallelize
+from nedolm.train.step import clip_grad_norm
 
 WORLD_SIZE = 2
 
@@ -80,7 +81,7 @@ def _rank(rank: int, mode: str, port: int, args: argparse.Namespace, out: Path) 
             with maybe_no_sync(model, last_micro_batch=micro == 1):
                 loss, _ = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False)
                 loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        clip_grad_norm(list(model.parameters()), 1.0)
         optimizer.step()
         if step == args.warmup + args.steps - 1:
             state = _state_mib(model, optimizer)  # before zero_grad: gradients still held

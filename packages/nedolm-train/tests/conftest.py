@@ -73,6 +73,11 @@ PROCESS_TIMEOUT_S = 180
 REPO = Path(__file__).resolve().parents[3]
 LEGACY_COMMIT = "99e6e39e5b0d371be0dc784b46f94ae1dae776fa"
 """The last commit whose trainer wrote checkpoint format version 1 (no ``format_version``)."""
+MODEL_KEYS_SINCE_LEGACY = {"tie_embeddings": True, "rope_scaling": None}
+"""ModelConfig fields added after ``LEGACY_COMMIT``, with the defaults that keep its model."""
+UNCLIPPED = {"grad_clip": 1e9}
+"""For the old and this trainer to train bitwise alike: they clip by a float32 and a float64
+gradient norm, so the factors of a binding clip differ in the last bits."""
 
 
 @pytest.fixture(autouse=True)
@@ -265,7 +270,11 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def _reference_recipe_run(
-    root: Path, corpus: Path, base_run: Path, env: dict[str, str] | None = None
+    root: Path,
+    corpus: Path,
+    base_run: Path,
+    env: dict[str, str] | None = None,
+    optim: dict[str, Any] | None = None,
 ) -> Path:
     """Train the reference recipe uninterrupted (checkpoint at the epoch end) in ``root``."""
     config = write_config(
@@ -274,6 +283,7 @@ def _reference_recipe_run(
         base_run,
         root / "run",
         train={"ckpt_interval": EPOCH_STEPS, "keep_last": 5},
+        optim=optim or {},
     )
     Job(config, env=env).wait_ok()
     return root / "run"
@@ -286,9 +296,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: 
 
 
 @pytest.fixture(scope="session")
+def unclipped_reference(
+    tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: Path
+) -> Path:
+    """The reference recipe with ``UNCLIPPED`` optim settings, trained by this trainer."""
+    root = tmp_path_factory.mktemp("unclipped")
+    return _reference_recipe_run(root, corpus, base_run, optim=UNCLIPPED)
+
+
+@pytest.fixture(scope="session")
 def legacy_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run: Path) -> Path:
-    """The reference recipe trained by the packages as of ``LEGACY_COMMIT`` (from git), so its
-    checkpoints are format version 1 exactly as the old code wrote them."""
+    """``unclipped_reference`` trained by the packages as of ``LEGACY_COMMIT`` (from git), so
+    its checkpoints are format version 1 exactly as the old code wrote them."""
     root = tmp_path_factory.mktemp("legacy")
     sources = [f"packages/{name}/src" for name in ("nedolm-data", "nedolm-dist", "nedolm-model")]
     sources.append("packages/nedolm-train/src")
@@ -298,8 +317,28 @@ def legacy_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base_run:
         capture_output=True,
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    # The old nedolm.data was a namespace package, and Python prefers a regular package (today's,
+    # installed) to namespace portions wherever they are on the path: an empty __init__ makes
+    # the old one regular too, so the first on the path, the old one, is imported.
+    for package in root.glob("packages/*/src/nedolm/*"):
+        if package.is_dir():
+            (package / "__init__.py").touch(exist_ok=True)
     pythonpath = os.pathsep.join(str(root / source) for source in sources)
-    return _reference_recipe_run(root, corpus, base_run, env={"PYTHONPATH": pythonpath})
+    old_base = _legacy_base_run(base_run, root / "base")
+    return _reference_recipe_run(
+        root, corpus, old_base, env={"PYTHONPATH": pythonpath}, optim=UNCLIPPED
+    )
+
+
+def _legacy_base_run(base_run: Path, into: Path) -> Path:
+    """``base_run`` as the old trainer reads it: the same weights, and a config without the
+    model keys added since (each at its default, so the same model)."""
+    shutil.copytree(base_run, into)
+    config = yaml.safe_load((into / "config.yaml").read_text(encoding="utf-8"))
+    for key, default in MODEL_KEYS_SINCE_LEGACY.items():
+        assert config["model"].pop(key) == default, key
+    (into / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return into
 
 
 def copy_checkpoint(run_dir: Path, step: int, into: Path) -> None:
@@ -318,6 +357,7 @@ def harness() -> SimpleNamespace:
         final_weights=final_weights,
         assert_same_weights=assert_same_weights,
         copy_checkpoint=copy_checkpoint,
+        UNCLIPPED=UNCLIPPED,
         write_config=write_config,
         logged_step=logged_step,
         EPOCH_STEPS=EPOCH_STEPS,

@@ -1,10 +1,10 @@
 """One rank of a DDP/FSDP training test: ``python parallel_worker.py OUT_DIR MODE [options]``.
 
 Trains a tiny MorphTransformer on a fixed batch stream (a pure function of step, rank and
-micro-batch) with the project's optimizer builder and LR schedule and the step's loss rule
-(summed loss scaled by ``world_size / global_targets``). Rank 0 writes ``losses.json``
-(``{step: loss}``, floats exact through JSON), ``final.pt`` (the full model state) and, at
-``--save-at``, ``full-STEP.pt`` (full model + optimizer state) next to the sharded checkpoint.
+micro-batch) with the project's optimizer builder, LR schedule and gradient clipping, and the
+step's loss rule (summed loss scaled by ``world_size / global_targets``). Rank 0 writes
+``losses.json`` (``{step: loss}``, floats exact through JSON), ``final.pt`` (the full model
+state) and, at ``--save-at``, ``full-STEP.pt`` (full model + optimizer state) next to the sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from nedolm.dist import cleanup, setup_distributed, sum_all
 from nedolm.model import IGNORE_INDEX, build_model, packed_layout, preset
 from nedolm.train.config import OptimConfig
 from nedolm.train.optim import build_optimizer, lr_at_step, set_lr
-from nedolm.train.parallel import local_tensor, maybe_no_sync, parallelize
+from nedolm.train.parallel import maybe_no_sync, parallelize
 from nedolm.train.sharded import (
     full_model_state,
     full_state,
@@ -28,6 +28,7 @@ from nedolm.train.sharded import (
     load_sharded,
     save_sharded,
 )
+from nedolm.train.step import clip_grad_norm
 
 MODEL = preset(
     "tiny",
@@ -85,8 +86,7 @@ def train_step(model, optimizer, step: int, rank: int, world_size: int) -> float
             (loss * scale).backward()
         local_loss += loss.detach()
     params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, OPTIM.grad_clip, foreach=True)
-    assert torch.isfinite(local_tensor(norm))
+    clip_grad_norm(params, OPTIM.grad_clip)
     set_lr(optimizer, lr_at_step(step, OPTIM, MAX_STEPS))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

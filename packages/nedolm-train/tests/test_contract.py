@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from nedolm.data.format import Shard
+from nedolm.model import ModelConfig
 from nedolm.train.contract import (
     ResumeRefused,
     check_plan_matches_audit,
@@ -64,6 +66,21 @@ def test_resume_check_names_nested_keys_and_legacy_checkpoints() -> None:
     check_resume(saved, current, "ck.pt", parts=("execution",))
     with pytest.raises(ResumeRefused, match=r"ck\.pt holds no run contract"):
         check_resume({"model": {}}, current, "ck.pt")
+
+
+def test_a_model_field_added_since_the_checkpoint_counts_as_its_default() -> None:
+    model = dataclasses.asdict(ModelConfig())
+    older = {k: v for k, v in model.items() if k not in ("tie_embeddings", "rope_scaling")}
+    saved = {"contract": {"training": {"recipe": {"model_config": older}}}}
+    check_resume(
+        saved, {"training": {"recipe": {"model_config": model}}}, "ck.pt", parts=("training",)
+    )
+    untied = {"training": {"recipe": {"model_config": {**model, "tie_embeddings": False}}}}
+    with pytest.raises(
+        ResumeRefused,
+        match=r"model_config\.tie_embeddings: checkpoint True != now False",
+    ):
+        check_resume(saved, untied, "ck.pt", parts=("training",))
 
 
 def test_fingerprint_is_canonical() -> None:

@@ -11,12 +11,13 @@ from nedolm.train.state import CHECKPOINT_FORMAT_VERSION, CheckpointFormatError,
 
 @pytest.mark.slow
 def test_format_1_checkpoint_of_the_old_trainer_resumes_bitwise(
-    harness, reference, legacy_run, make_config
+    harness, unclipped_reference, legacy_run, make_config
 ) -> None:
+    """Both runs train unclipped: the old trainer clipped by a float32 norm (see UNCLIPPED)."""
     step = harness.EPOCH_STEPS
     legacy = load_checkpoint(legacy_run / "checkpoints" / f"step-{step:08d}.pt")
     assert "format_version" not in legacy and "data_state" in legacy["ranks"][0]
-    expected = harness.step_losses(reference)
+    expected = harness.step_losses(unclipped_reference)
     old = harness.step_losses(legacy_run)
     assert old == expected  # the old and the new trainer train identically
     upgraded = upgrade_checkpoint(legacy, "legacy.pt")
@@ -24,14 +25,16 @@ def test_format_1_checkpoint_of_the_old_trainer_resumes_bitwise(
     (cursor,) = upgraded["ranks"][0]["loader"].values()
     assert (cursor[1], cursor[2]) == (1, 0)  # epoch 1, cursor 0
 
-    config = make_config()
+    config = make_config(optim=harness.UNCLIPPED)
     run_dir = config.with_suffix("")
     harness.copy_checkpoint(legacy_run, step, into=run_dir)
     harness.Job(config).wait_ok()
     losses = harness.step_losses(run_dir)
     assert sorted(losses) == list(range(step + 1, harness.MAX_STEPS + 1))
     assert losses == {s: expected[s] for s in losses}
-    harness.assert_same_weights(harness.final_weights(run_dir), harness.final_weights(reference))
+    harness.assert_same_weights(
+        harness.final_weights(run_dir), harness.final_weights(unclipped_reference)
+    )
     written = load_checkpoint(run_dir / "checkpoints" / f"step-{harness.MAX_STEPS:08d}.pt")
     assert written["format_version"] == CHECKPOINT_FORMAT_VERSION
 

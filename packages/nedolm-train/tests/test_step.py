@@ -18,6 +18,7 @@ from nedolm.train.step import (
     LossOptions,
     StepError,
     StepSettings,
+    clip_grad_norm,
     fetch_step_batches,
     to_micro_batch,
     train_step,
@@ -125,6 +126,25 @@ def test_non_finite_gradient_stops_the_step(model, batches, corpus) -> None:
         train_step(
             model, params, torch.optim.SGD(params, lr=1.0), iter(batches), _settings(eos), step=7
         )
+
+
+def _with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad.clone()
+    return params
+
+
+def test_clip_norm_is_exact_and_the_same_for_a_whole_or_row_sharded_gradient() -> None:
+    """DDP's norm sums a gradient's squares over the whole tensor, FSDP's per row shard: both
+    must clip by the same factor (a float32 sum over this 32k-row embedding misses by ~1e-5)."""
+    grad = torch.randn(32064, 64, generator=torch.Generator().manual_seed(0)) * 1e-3
+    exact = float(grad.double().norm())
+    whole, halves = _with_grads([grad]), _with_grads(list(grad.chunk(2)))
+    assert float(clip_grad_norm(whole, 0.01)) == pytest.approx(exact, rel=1e-12)
+    assert float(clip_grad_norm(halves, 0.01)) == pytest.approx(exact, rel=1e-12)
+    assert torch.equal(whole[0].grad, torch.cat([p.grad for p in halves]))
+    assert float(whole[0].grad.double().norm()) == pytest.approx(0.01, rel=1e-6)
 
 
 def _without_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

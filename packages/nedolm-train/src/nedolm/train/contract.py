@@ -13,6 +13,7 @@ checkpoint so that a refusal can name exactly what differs:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Collection, Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 
 from nedolm.data.format import Shard
 from nedolm.data.schema import CONTINUATION_POLICY, PACKING_POLICY, TARGET_POLICY
+from nedolm.model import ModelConfig
 
 TRAINING_CONTRACT_SCHEMA = "nedolm_sft_training_contract_v2"
 
@@ -126,6 +128,19 @@ def _differences(saved: Any, current: Any, path: str = "") -> list[str]:
     )
 
 
+def _with_new_model_fields(training: Any) -> Any:
+    """A training contract whose model config predates a ``ModelConfig`` field (e.g.
+    ``tie_embeddings``): the model it trained had that field's default."""
+    if not isinstance(training, dict) or not isinstance(training.get("recipe"), dict):
+        return training
+    recipe = training["recipe"]
+    if not isinstance(recipe.get("model_config"), dict):
+        return training
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    model_config = {**defaults, **recipe["model_config"]}
+    return {**training, "recipe": {**recipe, "model_config": model_config}}
+
+
 def check_resume(
     checkpoint: Mapping[str, Any],
     current: Mapping[str, Mapping],
@@ -149,7 +164,8 @@ def check_resume(
         raise ResumeRefused(f"{source} holds no run contract; resume it with a fresh run_dir")
     problems = []
     for part in parts:
-        problems += [f"{part}.{d}" for d in _differences(saved.get(part), dict(current[part]))]
+        theirs = _with_new_model_fields(saved.get(part)) if part == "training" else saved.get(part)
+        problems += [f"{part}.{d}" for d in _differences(theirs, dict(current[part]))]
     problems = [p for p in problems if p.split(":", 1)[0] not in free]
     if problems:
         raise ResumeRefused(
