@@ -1,8 +1,9 @@
 """Base (pretraining) runs: their model config, their checkpoints, and ``init-base``.
 
 A base run directory holds ``config.yaml`` (a ``RunConfig``: the model config and EOS id) and
-``checkpoints/step-*.pt`` whose ``model`` entry is a MorphTransformer state dict. SFT starts
-from the newest such checkpoint (or an explicit one). ``init_base`` writes a randomly
+``checkpoints/step-*.pt`` whose ``model`` entry is a MorphTransformer state dict, or a
+``model.safetensors`` (``nedolm.train.base_weights``). SFT starts from the newest checkpoint,
+else the safetensors file (or an explicit one). ``init_base`` writes a randomly
 initialised base run of a preset for demos and tests.
 """
 
@@ -16,7 +17,8 @@ import msgspec
 import torch
 
 from nedolm.model import ModelConfig, MorphTransformer, build_model, preset
-from nedolm.train.checkpoint import atomic_write, latest_checkpoint, save_checkpoint
+from nedolm.train.base_weights import SAFETENSORS_WEIGHTS, base_weights_file
+from nedolm.train.checkpoint import atomic_write, save_checkpoint
 from nedolm.train.config import RunConfig
 
 BASE_CONFIG_FILE = "config.yaml"
@@ -29,10 +31,13 @@ def model_config(run_config: RunConfig, **overrides: Any) -> ModelConfig:
 
 
 def resolve_base_checkpoint(base_run_dir: Path, explicit: Path | None) -> Path:
-    """``explicit`` if given, else the newest checkpoint of ``base_run_dir``; it must exist."""
-    candidate = explicit if explicit is not None else latest_checkpoint(base_run_dir)
+    """``explicit`` if given, else the base run's newest checkpoint or model.safetensors."""
+    candidate = explicit if explicit is not None else base_weights_file(base_run_dir)
     if candidate is None:
-        raise FileNotFoundError(f"no base checkpoint under {base_run_dir}/checkpoints")
+        raise FileNotFoundError(
+            f"no base checkpoint under {base_run_dir}/checkpoints and no "
+            f"{base_run_dir}/{SAFETENSORS_WEIGHTS}"
+        )
     if not candidate.is_file():
         raise FileNotFoundError(f"base checkpoint {candidate} does not exist")
     return candidate

@@ -35,6 +35,7 @@ from nedolm.dist import (
 )
 from nedolm.model import IGNORE_INDEX, ModelConfig, build_model, packed_layout, resolve_attn_impl
 from nedolm.train.base import model_config, resolve_base_checkpoint
+from nedolm.train.base_weights import load_base_state
 from nedolm.train.checkpoint import (
     atomic_write,
     latest_checkpoint,
@@ -296,7 +297,7 @@ def _load_resume(
 
 def _load_base(cfg: SFTConfig, model: nn.Module) -> Path:
     path = resolve_base_checkpoint(cfg.base_run_dir, cfg.base_checkpoint)
-    model.load_state_dict(load_checkpoint(path)["model"])
+    model.load_state_dict(load_base_state(path))
     log.info("starting from base checkpoint %s (its optimizer/data state is not used)", path)
     return path
 
