@@ -59,7 +59,6 @@ CONFIG_FILE = "config.yaml"
 HELDOUT_FILE = "heldout.txt.gz"
 RECIPE_FILE = "RECIPE.md"
 MAX_WEIGHTS_BYTES = 25 * 1024 * 1024
-HELDOUT_EVERY = 40  # a document is held out when its content hash is 0 modulo this
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,13 +72,15 @@ class Recipe:
     ffn_dim: int = 384
     seq_len: int = 256  # tokens per training row (documents are packed, attention isolated)
     batch_rows: int = 8
-    steps: int = 600
+    steps: int = 300  # the learning-rate schedule spans this many steps
+    stop_step: int = 0  # stop after this step (0: after ``steps``); set by --minutes
     lr: float = 3e-3
     warmup_steps: int = 30
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.1
     seed: int = 20261203
-    eval_interval: int = 100
+    eval_interval: int = 50
+    heldout_every: int = 40  # a document is held out when its content hash is 0 modulo this
 
 
 # ---------------------------------------------------------------------------- data
@@ -116,10 +117,10 @@ def pretraining_documents(data_dir: Path, excluded: Path) -> list[str]:
     return list(documents)
 
 
-def is_heldout(document: str) -> bool:
-    """The fixed held-out slice: about 1 document in HELDOUT_EVERY, chosen by content hash."""
+def is_heldout(document: str, every: int) -> bool:
+    """The fixed held-out slice: about 1 document in ``every``, chosen by content hash."""
     digest = hashlib.blake2b(document.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % HELDOUT_EVERY == 0
+    return int.from_bytes(digest, "little") % every == 0
 
 
 def encode_documents(tokenizer_path: Path, documents: Sequence[str]) -> list[list[int]]:
@@ -291,9 +292,9 @@ def recipe_markdown(
         "`tr_chat_sample.jsonl` excluded. Tokenizer: the shipped `tokenizer.json.gz` "
         f"(sha256 {stats['tokenizer_sha256']}).",
         f"- Held-out slice: the {stats['heldout_documents']} documents whose blake2b-64 content "
-        f"hash is 0 mod {HELDOUT_EVERY} ({stats['heldout_tokens']:,} tokens), stored in "
+        f"hash is 0 mod {recipe.heldout_every} ({stats['heldout_tokens']:,} tokens), stored in "
         f"`{HELDOUT_FILE}`.",
-        f"- Training: {recipe.steps} steps of {recipe.batch_rows} packed rows x {recipe.seq_len} "
+        f"- Training: {recipe.stop_step or recipe.steps} steps (schedule over {recipe.steps}) of {recipe.batch_rows} packed rows x {recipe.seq_len} "
         f"tokens (documents attention-isolated), AdamW (betas 0.9/0.95, weight decay "
         f"{recipe.weight_decay}, no decay on norms/embeddings), lr {recipe.lr} with "
         f"{recipe.warmup_steps} warm-up steps and cosine decay to {recipe.min_lr_ratio} x, "
@@ -336,8 +337,11 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     documents = pretraining_documents(args.data_dir, args.default_dir / "tr_chat_sample.jsonl")
     if args.max_documents:
         documents = documents[: args.max_documents]
-    heldout_text = [d for d in documents if is_heldout(d)]
-    train_docs = encode_documents(tokenizer_path, [d for d in documents if not is_heldout(d)])
+    heldout_text = [d for d in documents if is_heldout(d, recipe.heldout_every)]
+    if not heldout_text:
+        raise SystemExit(f"no document is held out at --heldout-every {recipe.heldout_every}")
+    train_text = [d for d in documents if not is_heldout(d, recipe.heldout_every)]
+    train_docs = encode_documents(tokenizer_path, train_text)
     heldout_docs = encode_documents(tokenizer_path, heldout_text)
     heldout = heldout_rows(heldout_docs, recipe.seq_len + 1)
     eos_id = specials.eos_id
@@ -359,7 +363,8 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     batches = epoch_batches(train_docs, recipe.seq_len + 1, recipe.batch_rows, recipe.seed)
     curve = [(0, heldout_loss(model, heldout, eos_id))]
     report({"step": 0, "heldout_loss": curve[-1][1], "params": model.num_params()})
-    for step in range(recipe.steps):
+    last = recipe.stop_step or recipe.steps
+    for step in range(last):
         set_lr(optimizer, lr_at_step(step, optim_cfg, recipe.steps))
         loss, _ = lm_loss(model, next(batches), eos_id, "mean")
         loss.backward()
@@ -375,9 +380,15 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
                     "minutes": (time.monotonic() - began) / 60,
                 }
             )
-        if done % recipe.eval_interval == 0 or done == recipe.steps:
+        out_of_time = args.minutes and time.monotonic() - began > 60 * args.minutes
+        if done % recipe.eval_interval == 0 or done == last or out_of_time:
             curve.append((done, heldout_loss(model, heldout, eos_id)))
             report({"step": done, "heldout_loss": curve[-1][1]})
+        if out_of_time and done < last:
+            # Recorded as --stop-step so that the command in RECIPE.md reproduces these weights.
+            argv = [*without_option(argv, "--minutes"), "--stop-step", str(done)]
+            recipe = dataclasses.replace(recipe, stop_step=done)
+            break
 
     stored = weights_to_store(model)
     check_dir = args.out.resolve().with_name(f".{args.out.name}.check-{os.getpid()}")
@@ -407,12 +418,32 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     return final
 
 
+def without_option(argv: Sequence[str], flag: str) -> list[str]:
+    """``argv`` less ``flag`` and its value (either ``--flag V`` or ``--flag=V``)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            kept.append(arg)
+    return kept
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--data-dir", type=Path, required=True, help="the tr_chat/*.jsonl folder")
     parser.add_argument("--out", type=Path, required=True, help="the base run folder to write")
     parser.add_argument("--default-dir", type=Path, default=DEFAULT_DIR, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=0.0,
+        help="wall-time budget: stop after the step that exceeds it, recorded as --stop-step",
+    )
     parser.add_argument(
         "--max-documents", type=int, default=0, help="use only the first N documents (tests)"
     )
