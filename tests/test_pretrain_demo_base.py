@@ -40,6 +40,7 @@ def tool() -> ModuleType:
     spec = importlib.util.spec_from_file_location("pretrain_demo_base", TOOL)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -128,7 +129,7 @@ def test_the_tool_writes_a_loadable_base_in_place(tool: ModuleType, tmp_path: Pa
     assert sorted(p.name for p in out.iterdir()) == BASE_FILES
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]  # no temporary left over
     recorded, measured = reproduced_heldout_loss(tool, out)
-    assert measured == pytest.approx(recorded, abs=1e-5)
+    assert measured == pytest.approx(recorded, abs=1e-4)  # RECIPE.md has 4 decimals
     progress = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [p["step"] for p in progress if "heldout_loss" in p] == [0, 2]
 
@@ -144,7 +145,7 @@ def test_a_failed_write_keeps_the_previous_base(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(tool, "save_file", disk_full)
-    model = tool.build_model(tool.model_config(tool.Recipe(d_model=32, n_heads=2), 300))
+    model = tool.build_model(tool.dense_model_config(tool.Recipe(d_model=32, n_heads=2), 300))
     with pytest.raises(OSError, match="No space left"):
         tool.write_base(out, model, 2, ["metin"], "# recipe\n")
     assert [p.name for p in tmp_path.iterdir()] == ["base"]

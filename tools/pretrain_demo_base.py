@@ -193,7 +193,7 @@ def heldout_loss(model: MorphTransformer, rows: torch.Tensor, eos_id: int) -> fl
     return total / count
 
 
-def model_config(recipe: Recipe, vocab_size: int) -> ModelConfig:
+def dense_model_config(recipe: Recipe, vocab_size: int) -> ModelConfig:
     """A dense (Llama-equivalent) MorphTransformer sized by ``recipe``."""
     return ModelConfig(
         vocab_size=vocab_size,
@@ -271,7 +271,6 @@ def recipe_markdown(
     curve: list[tuple[int, float]],
 ) -> str:
     """RECIPE.md: how these weights were made and what they score, for a human and for tests."""
-    params = sum(p.numel() for p in build_model(cfg).parameters())
     lines = [
         "# The demo base model: how it was made",
         "",
@@ -282,7 +281,7 @@ def recipe_markdown(
         "python " + " ".join(argv),
         "```",
         "",
-        f"- Model: dense MorphTransformer (Llama-equivalent, tied embeddings), {params:,} "
+        f"- Model: dense MorphTransformer (Llama-equivalent, tied embeddings), {stats['params']:,} "
         f"parameters: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads "
         f"({cfg.n_kv_heads} KV), SwiGLU {cfg.ffn_dim}, vocabulary {cfg.vocab_size} padded to "
         f"{cfg.padded_vocab_size}.",
@@ -349,7 +348,7 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     def report(entry: dict[str, object]) -> None:
         print(json.dumps(entry), flush=True)
 
-    cfg = model_config(recipe, specials.vocab_size)
+    cfg = dense_model_config(recipe, specials.vocab_size)
     torch.manual_seed(recipe.seed)
     model = build_model(cfg)
     optim_cfg = OptimConfig(
@@ -401,6 +400,7 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     dtype = next(iter(stored.values())).dtype
     stats = {
         "data_dir": args.data_dir,
+        "params": model.num_params(),
         "documents": len(documents),
         "train_tokens": sum(len(d) for d in train_docs),
         "heldout_documents": len(heldout_text),

@@ -55,7 +55,7 @@ def sft_settings(out: Path, steps: int, validation_windows: int) -> dict:
         "base_run_dir": str(base),
         "data_dir": str(out / "data"),
         "optim": {
-            "lr": 1.0e-3,
+            "lr": 2.0e-3,
             "min_lr_ratio": 0.1,
             "weight_decay": 0.01,
             "schedule": "cosine",
