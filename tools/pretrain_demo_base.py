@@ -262,6 +262,18 @@ def read_heldout_text(base_dir: Path) -> list[str]:
         return [json.loads(line) for line in handle]
 
 
+def machine() -> str:
+    """CPU model, core count and OS, for the record."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+        if line.startswith("model name")
+    ]
+    cpu = names[0] if names else platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
+
+
 def recipe_markdown(
     *,
     argv: Sequence[str],
@@ -408,7 +420,7 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
         "tokenizer_sha256": specials.tokenizer.sha256,
         "weights_dtype": str(dtype).removeprefix("torch."),
         "weights_bytes": sum(v.numel() * v.element_size() for v in stored.values()),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {platform.system()}".strip(),
+        "machine": machine(),
         "wall_minutes": (time.monotonic() - began) / 60,
         "final_heldout_loss": final,
     }
