@@ -55,7 +55,7 @@ def sft_settings(out: Path, steps: int, validation_windows: int) -> dict:
         "base_run_dir": str(base),
         "data_dir": str(out / "data"),
         "optim": {
-            "lr": 2.0e-3,
+            "lr": 5.0e-3,
             "min_lr_ratio": 0.1,
             "weight_decay": 0.01,
             "schedule": "cosine",
@@ -122,7 +122,7 @@ def _stage(title: str) -> float:
     show_default=True,
     help="Where the corpus, run, plot and comparison go.",
 )
-@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True)
 @click.option(
     "--prompts",
     type=click.IntRange(min=1, max=20),
@@ -139,7 +139,7 @@ def demo(out: Path, steps: int, prompts: int) -> None:
 
     \b
     Example:
-      nedolm-sft demo --out nedolm-demo --steps 100
+      nedolm-sft demo --out nedolm-demo --steps 150
     """
     out = out.resolve()
     # A 5M-parameter model's matmuls are too small to gain from a second thread, and on a busy
