@@ -34,7 +34,7 @@ def pixels_of(png: np.ndarray, rgb: tuple[int, int, int]) -> int:
 @pytest.mark.slow
 def test_demo_runs_end_to_end(nedolm_sft: RunCli, tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = nedolm_sft("demo", "--out", str(out), "--steps", "4", "--prompts", "2", timeout=900)
+    result = nedolm_sft("demo", "--out", str(out), "--steps", "20", "--prompts", "2", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "default/base/model.safetensors" in (out / "run" / "train.log").read_text()
 
