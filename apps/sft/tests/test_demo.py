@@ -1,4 +1,4 @@
-"""The embedded default runs end to end: corpus, base, SFT with validation, plot, a reply."""
+"""The embedded default runs end to end: corpus, shipped base, SFT, plot, base vs fine-tuned."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib import image
+
+from nedolm.data.format import Shard
+from nedolm.data.sources import doc_key
+from nedolm_sft.commands.demo import DEFAULT_DIR, HELDOUT_PROMPTS, SAMPLE, SHARDS, VALIDATION_SHARD
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
 
@@ -30,8 +34,9 @@ def pixels_of(png: np.ndarray, rgb: tuple[int, int, int]) -> int:
 @pytest.mark.slow
 def test_demo_runs_end_to_end(nedolm_sft: RunCli, tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = nedolm_sft("demo", "--out", str(out), "--steps", "4", timeout=900)
+    result = nedolm_sft("demo", "--out", str(out), "--steps", "20", "--prompts", "2", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "default/base/model.safetensors" in (out / "run" / "train.log").read_text()
 
     records = [
         json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
@@ -46,6 +51,55 @@ def test_demo_runs_end_to_end(nedolm_sft: RunCli, tmp_path: Path) -> None:
     for name, colour in CURVE_COLOURS.items():
         assert pixels_of(png, colour) > 50, f"no {name} curve drawn"
 
-    reply = result.stdout.split("asistan> ", 1)[1].split("\n", 1)[0]
-    assert reply.strip(), result.stdout
+    comparison = json.loads((out / "comparison.json").read_text(encoding="utf-8"))
+    shipped = [json.loads(line) for line in (DEFAULT_DIR / HELDOUT_PROMPTS).open()]
+    replies = comparison["replies"]
+    assert [r["prompt"] for r in replies] == [p["prompt"] for p in shipped[:2]]
+    for reply in replies:  # side by side: the prompt, then the base's and the fine-tuned reply
+        base, tuned = (" ".join(reply[m]["text"].split())[:60] for m in ("base", "fine_tuned"))
+        shown = f"kullanici>  {reply['prompt']}\nbase>       {base}"
+        assert shown in result.stdout
+        assert f"fine-tuned> {tuned}" in result.stdout.split(shown, 1)[1]
+    assert any(r["base"]["text"].strip() for r in replies), result.stdout
+    figures = comparison["figures"]
+    assert figures["heldout_assistant_loss"] == {
+        "base": validation[0],
+        "fine_tuned": validation[-1],
+    }
+    closed = figures["closed_replies"]
+    assert closed["base"] == sum(r["base"]["closed"] for r in replies)
+    assert closed["fine_tuned"] == sum(r["fine_tuned"]["closed"] for r in replies)
+    assert f"base {validation[0]:.3f} → fine-tuned {validation[-1]:.3f}" in result.stdout
+    assert f"base {closed['base']}/2 → fine-tuned {closed['fine_tuned']}/2" in result.stdout
     assert "nedolm-sft export" in result.stdout
+
+
+def test_heldout_prompts_come_from_the_validation_shard(nedolm_sft: RunCli, tmp_path: Path) -> None:
+    """The 20 prompts are single-turn conversations that SFT validates on and never trains on."""
+    data = tmp_path / "data"
+    result = nedolm_sft(
+        "prepare",
+        str(DEFAULT_DIR / SAMPLE),
+        "--tokenizer",
+        str(DEFAULT_DIR / "tokenizer.json.gz"),
+        "--out",
+        str(data),
+        "--seq-len",
+        "512",
+        "--shards",
+        str(SHARDS),
+        "--val-shards",
+        str(VALIDATION_SHARD),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    validation = {
+        int(k) for k in Shard.in_dir(data / "shards", VALIDATION_SHARD, SHARDS).index["doc_key"]
+    }
+    sample = {r["id"]: r for r in map(json.loads, (DEFAULT_DIR / SAMPLE).open())}
+    prompts = [json.loads(line) for line in (DEFAULT_DIR / HELDOUT_PROMPTS).open()]
+    assert len(prompts) == len({p["id"] for p in prompts}) == 20
+    for prompt in prompts:
+        record = sample[prompt["id"]]
+        assert doc_key(SAMPLE, prompt["id"]) in validation, prompt["id"]
+        assert [m["role"] for m in record["messages"]] == ["user", "assistant"]
+        assert record["messages"][0]["content"] == prompt["prompt"]

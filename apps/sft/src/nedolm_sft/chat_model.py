@@ -24,7 +24,10 @@ from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN
 from nedolm.data.render import ConversationLayout, LayoutError, chat_template
 from nedolm.data.tokenizer import TextTokenizer, load_tokenizer, read_tokenizer_bytes
 from nedolm.model import ModelConfig, MorphTransformer, build_model, export_hf, generate, load_hf
+from nedolm.train.base import BASE_CONFIG_FILE, model_config, resolve_base_checkpoint
+from nedolm.train.base_weights import load_base_state
 from nedolm.train.checkpoint import latest_checkpoint
+from nedolm.train.config import load_run_config
 from nedolm.train.state import load_model_weights, read_checkpoint
 
 EXPORT_SIDECAR = "nedolm"
@@ -108,10 +111,22 @@ def _load_run(run_dir: Path) -> ChatModel:
     trained = payload["contract"]["training"]["recipe"]["model_config"]
     model = build_model(ModelConfig(**{**trained, "morph_dispatch": "sparse", "attn_impl": "sdpa"}))
     load_model_weights(checkpoint, payload, model)
-    data_dir = Path(sft["data_dir"])
+    return _with_corpus_tokenizer(model, Path(sft["data_dir"]), checkpoint)
+
+
+def load_base_chat_model(base_run_dir: Path, data_dir: Path) -> ChatModel:
+    """A base run's model (newest checkpoint or model.safetensors) with a corpus's tokenizer."""
+    base = load_run_config(base_run_dir / BASE_CONFIG_FILE)
+    weights = resolve_base_checkpoint(base_run_dir, None)
+    model = build_model(model_config(base, morph_dispatch="sparse", attn_impl="sdpa"))
+    model.load_state_dict(load_base_state(weights))
+    return _with_corpus_tokenizer(model, data_dir, weights)
+
+
+def _with_corpus_tokenizer(model: MorphTransformer, data_dir: Path, source: Path) -> ChatModel:
     specials = read_special_tokens(data_dir)
     tokenizer = load_tokenizer(data_dir / specials.tokenizer.file)
-    return ChatModel(model.eval(), tokenizer, specials, checkpoint)
+    return ChatModel(model.eval(), tokenizer, specials, source)
 
 
 def _load_export(export_dir: Path) -> ChatModel:

@@ -1,8 +1,9 @@
 """Base (pretraining) runs: their model config, their checkpoints, ``init-base`` and ``import-hf``.
 
 A base run directory holds ``config.yaml`` (a ``RunConfig``: the model config and EOS id) and
-``checkpoints/step-*.pt`` whose ``model`` entry is a MorphTransformer state dict. SFT starts
-from the newest such checkpoint (or an explicit one), or straight from a Hugging Face directory
+``checkpoints/step-*.pt`` whose ``model`` entry is a MorphTransformer state dict, or a
+``model.safetensors`` (``nedolm.train.base_weights``). SFT starts from the newest checkpoint,
+else the safetensors file (or an explicit one), or straight from a Hugging Face directory
 (``base_hf_dir``). ``init_base`` writes a randomly initialised base run of a preset for demos
 and tests; ``import_hf_base`` writes one from a Hugging Face checkpoint, with its tokenizer.
 """
@@ -20,7 +21,8 @@ import torch
 from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.tokenizer import HF_TOKENIZER_FILE, copy_tokenizer_files, load_tokenizer
 from nedolm.model import ModelConfig, MorphTransformer, build_model, preset
-from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from nedolm.train.base_weights import SAFETENSORS_WEIGHTS, base_weights_file, load_base_state
+from nedolm.train.checkpoint import save_checkpoint
 from nedolm.train.config import RunConfig, SFTConfig, load_run_config
 from nedolm.train.hf_base import check_corpus_tokenizer, hf_base_config, load_hf_base
 
@@ -63,17 +65,20 @@ def load_base_weights(cfg: SFTConfig, model: MorphTransformer) -> Path:
     if cfg.base_hf_dir is None:
         assert cfg.base_run_dir is not None
         path = resolve_base_checkpoint(cfg.base_run_dir, cfg.base_checkpoint)
-        model.load_state_dict(load_checkpoint(path)["model"])
+        model.load_state_dict(load_base_state(path))
         return path
     model.load_state_dict(load_hf_base(cfg.base_hf_dir, cfg.base_morph_expert_dim).state_dict())
     return cfg.base_hf_dir
 
 
 def resolve_base_checkpoint(base_run_dir: Path, explicit: Path | None) -> Path:
-    """``explicit`` if given, else the newest checkpoint of ``base_run_dir``; it must exist."""
-    candidate = explicit if explicit is not None else latest_checkpoint(base_run_dir)
+    """``explicit`` if given, else the base run's newest checkpoint or model.safetensors."""
+    candidate = explicit if explicit is not None else base_weights_file(base_run_dir)
     if candidate is None:
-        raise FileNotFoundError(f"no base checkpoint under {base_run_dir}/checkpoints")
+        raise FileNotFoundError(
+            f"no base checkpoint under {base_run_dir}/checkpoints and no "
+            f"{base_run_dir}/{SAFETENSORS_WEIGHTS}"
+        )
     if not candidate.is_file():
         raise FileNotFoundError(f"base checkpoint {candidate} does not exist")
     return candidate
