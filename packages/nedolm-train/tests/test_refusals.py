@@ -74,7 +74,7 @@ def test_plan_differs_from_audit(harness, tmp_path, corpus, base_run):
     _edit_json(audit, windows=windows + 1)
     with pytest.raises(RuntimeError) as err:
         _run(_config_for(harness, tmp_path, data, base_run))
-    assert f"windows: recomputed {windows} != audited {windows + 1}" in str(err.value)
+    assert f"'windows' is {windows + 1}, recomputed {windows}" in str(err.value)
 
 
 def test_seq_len_above_the_models(harness, tmp_path, corpus, base_run):
@@ -146,10 +146,10 @@ def test_resume_refuses_a_changed_compile_mode(harness, tmp_path, corpus, base_r
 def test_resume_refuses_a_changed_dataset(harness, tmp_path, corpus, base_run, checkpointed):
     shutil.copytree(checkpointed, tmp_path / "run")
     data = _copy_corpus(corpus, tmp_path)
-    special = data / "SPECIAL_TOKENS.json"  # same content, other bytes: another contract file
-    special.write_text(json.dumps(json.loads(special.read_text(encoding="utf-8")), indent=1))
+    manifest = data / "SHARD_MANIFEST.json"  # same content, other bytes: another contract file
+    manifest.write_text(json.dumps(json.loads(manifest.read_text(encoding="utf-8")), indent=1))
     config = _config_for(harness, tmp_path, data, base_run, train={"max_steps": 2})
     with pytest.raises(RuntimeError) as err:
         _run(config)
     assert "dataset.fingerprint: checkpoint" in str(err.value)
-    assert "dataset.special_tokens_sha256: checkpoint" in str(err.value)
+    assert "dataset.shard_manifest_sha256: checkpoint" in str(err.value)

@@ -19,7 +19,13 @@ import msgspec
 from tqdm import tqdm
 
 from nedolm.data.build_options import BuildError, BuildOptions
-from nedolm.data.contract import dump_json, manifest_document, write_contract
+from nedolm.data.contract import (
+    BuildProvenance,
+    SourceEntry,
+    dump_json,
+    manifest_document,
+    write_contract,
+)
 from nedolm.data.encode import ChunkEncoder, EncodedDocument, encoded_chunks
 from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE
 from nedolm.data.hashing import file_sha256
@@ -110,11 +116,11 @@ def build_corpus(
         result = verify_corpus(tmp, options.seq_len, content_sha256=digests, tokenizer=tokenizer)
         if result.problems:
             raise BuildError("the built corpus failed verification:\n" + "\n".join(result.problems))
-        build_block = {
-            "sources": [msgspec.to_builtins(s) for s in sources],
-            "content_sha256": digests,
-            "tokenizer_sha256": specials.tokenizer.sha256,
-        }
+        build_block = BuildProvenance(
+            msgspec.convert(msgspec.to_builtins(sources), list[SourceEntry]),
+            digests,
+            specials.tokenizer.sha256,
+        )
         manifest = manifest_document(result.files, validation_ids, build_block)
         write_contract(tmp, result.report, result.audit, manifest)
         identical = install(tmp, out, options.overwrite)

@@ -6,9 +6,10 @@ Two real formats are supported, each behind an optional extra: a Hugging Face
 strings NOT interpreted, so text typed by a user can never become a control id.
 
 One caveat the builder must still guard against: a ``tokenizers`` Unigram model whose vocabulary
-holds ``</s>`` as a normal piece can pick that piece for the literal text ``</s>`` even with
-special-token parsing off (SentencePiece never does). The builder therefore checks content ids
-against EOS and pad after encoding.
+holds ``<s>`` or ``</s>`` as a normal piece can pick that piece for the literal text even with
+special-token parsing off (SentencePiece never does), and unknown characters become ``<unk>``.
+The builder therefore checks content ids against ``content_forbidden_ids`` after encoding, and
+the verifier checks the binaries against the same set.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ class TextTokenizer(ABC):
         """Text of ``ids`` (special ids rendered as their strings)."""
 
     @abstractmethod
+    def special_ids(self) -> set[int]:
+        """Every id the tokenizer marks special (BOS, EOS, pad, unk, control and added special
+        tokens): none may occur inside content (SPEC §2)."""
+
+    @abstractmethod
     def pieces(self) -> list[str]:
         """The surface form of every id below ``base_vocab_size``, in id order.
 
@@ -104,6 +110,10 @@ class HFTokenizer(TextTokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def special_ids(self) -> set[int]:
+        added = self._tok.get_added_tokens_decoder()
+        return {i for i, token in added.items() if token.special} | {self.eos_id}
+
     def pieces(self) -> list[str]:
         return [self._tok.id_to_token(i) or "" for i in range(self.base_vocab_size)]
 
@@ -140,6 +150,14 @@ class SentencePieceTokenizer(TextTokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
 
+    def special_ids(self) -> set[int]:
+        sp = self._sp
+        return {
+            i
+            for i in range(self.base_vocab_size)
+            if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)
+        }
+
     def pieces(self) -> list[str]:
         return [self._sp.id_to_piece(i) for i in range(self.base_vocab_size)]
 
@@ -160,6 +178,17 @@ def load_tokenizer(path: Path) -> TextTokenizer:
     if path.name.endswith((".json", ".json.gz")):
         return HFTokenizer(path)
     return SentencePieceTokenizer(path)
+
+
+def content_forbidden_ids(tokenizer: TextTokenizer, specials: SpecialTokens) -> set[int]:
+    """Ids that must never occur inside message content: the tokenizer's special ids plus the
+    corpus's EOS, pad and control ids."""
+    return tokenizer.special_ids() | {
+        specials.eos_id,
+        specials.pad_id,
+        specials.message_start_id,
+        specials.message_end_id,
+    }
 
 
 def build_special_tokens(tokenizer: TextTokenizer, tokenizer_file: str) -> SpecialTokens:
