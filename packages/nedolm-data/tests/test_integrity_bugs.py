@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 
 from nedolm.data.builder import BuildOptions, build_corpus
-from nedolm.data.contract import DatasetContractError, hash_entries, validate_dataset_contract
-from nedolm.data.format import discover_shards, read_array, write_array
+from nedolm.data.contract import (
+    DatasetContractError,
+    PackingAudit,
+    ShardManifest,
+    VerifyReport,
+    aggregate_sha256,
+    hash_entries,
+    validate_dataset_contract,
+)
+from nedolm.data.format import SpecialTokens, discover_shards, read_array, write_array
 from nedolm.data.sources import InputError, RecordPolicy
 from nedolm.data.verify import check_corpus
 
@@ -124,8 +132,6 @@ def _rewrite_tokens(corpus, edit):
 
 
 def rehash_manifest(corpus):
-    from nedolm.data.contract import aggregate_sha256
-
     def rehash(doc):
         files = hash_entries(corpus, [corpus / e["path"] for e in doc["files"]])
         doc["files"] = [{"path": e.path, "sha256": e.sha256, "size": e.size} for e in files]
@@ -172,3 +178,330 @@ def test_shard_problems_name_which_of_the_three_files(corpus, kind):
     problems = check_corpus(corpus)
     shard_problems = [p for p in problems if "sft-00000" in p]
     assert shard_problems and all(path.name in p for p in shard_problems), problems
+
+
+# The mutation suite: each edit makes both verify and the trainer's start gate refuse, naming
+# the file at fault. Shard edits marked "rehashed" also re-hash the manifest, so only the
+# recomputation from the binaries can catch them.
+
+REPORT, AUDIT, SPECIAL = (
+    "FINAL_BINARY_VERIFY_REPORT.json",
+    "PACKING_POLICY_ADAPTIVE_AUDIT.json",
+    "SPECIAL_TOKENS.json",
+)
+SHARD0 = "sft-00000-of-00002"
+
+
+def _shard_file(corpus, kind):
+    return corpus / "shards" / f"{SHARD0}.{kind}.bin"
+
+
+def _flip(kind, where):
+    def mutate(corpus):
+        path = _shard_file(corpus, kind)
+        raw = bytearray(path.read_bytes())
+        raw[where] ^= 0x01
+        path.write_bytes(bytes(raw))
+
+    return mutate
+
+
+def _truncate(kind):
+    return lambda c: _shard_file(c, kind).write_bytes(_shard_file(c, kind).read_bytes()[:-3])
+
+
+def _append(kind):
+    return lambda c: _shard_file(c, kind).write_bytes(_shard_file(c, kind).read_bytes() + b"\0")
+
+
+def _delete(kind):
+    return lambda c: _shard_file(c, kind).unlink()
+
+
+def _rehashed(kind, edit):
+    """Rewrite shard 0's ``kind`` array through ``edit(array, segments, index)``, a valid
+    file, and re-hash the manifest to match."""
+
+    def mutate(corpus):
+        shard = discover_shards(corpus)[0]
+        arrays = {
+            k: np.array(read_array(p, k))
+            for k, p in zip(("tokens", "segments", "index"), shard.paths, strict=True)
+        }
+        edit(arrays[kind], arrays["segments"], arrays["index"])
+        write_array(_shard_file(corpus, kind), kind, arrays[kind])
+        rehash_manifest(corpus)
+
+    return mutate
+
+
+def _content_position(segments, message=0):
+    starts = np.cumsum(segments["length"].astype(np.int64)) - segments["length"]
+    return int(starts[message] + segments["header_len"][message])
+
+
+def _merge_documents(tokens, _segments, index):
+    """Remove document 0's EOS: documents 0 and 1 would share attention."""
+    tokens[int(index["token_len"][0]) - 1] = tokens[1]
+
+
+def _set_field(field, value):
+    return lambda array, *_: array[field].__setitem__(0, value)
+
+
+def _json(file_name, edit):
+    return lambda corpus: _edit_json(corpus / file_name, edit)
+
+
+def _bump(key, by=1):
+    return lambda d: d.__setitem__(key, d[key] + by)
+
+
+def _set_key(key, value):
+    return lambda d: d.__setitem__(key, value)
+
+
+def _in(path, edit):
+    """Apply ``edit`` to the nested dict at ``path`` (keys and list indices)."""
+
+    def nested(doc):
+        for step in path:
+            doc = doc[step]
+        edit(doc)
+
+    return nested
+
+
+TOKENS, SEGMENTS, INDEX = (f"{SHARD0}.{k}.bin" for k in ("tokens", "segments", "index"))
+MUTATIONS = {
+    # every shard file kind: bytes flipped, truncated, grown, deleted
+    **{
+        f"{k}-flip-header": (_flip(k, 10), f"{SHARD0}.{k}.bin")
+        for k in ("tokens", "segments", "index")
+    },
+    **{
+        f"{k}-flip-payload": (_flip(k, -2), f"{SHARD0}.{k}.bin")
+        for k in ("tokens", "segments", "index")
+    },
+    **{
+        f"{k}-truncated": (_truncate(k), f"{SHARD0}.{k}.bin")
+        for k in ("tokens", "segments", "index")
+    },
+    **{f"{k}-grown": (_append(k), f"{SHARD0}.{k}.bin") for k in ("tokens", "segments", "index")},
+    **{f"{k}-deleted": (_delete(k), f"{SHARD0}.{k}.bin") for k in ("tokens", "segments", "index")},
+    # consistent rewrites (manifest re-hashed): only the recomputation catches these
+    "tokens-eos-removed-documents-merge": (_rehashed("tokens", _merge_documents), TOKENS),
+    "tokens-message-start-replaced": (
+        _rehashed("tokens", lambda t, *_: t.__setitem__(0, 5)),
+        TOKENS,
+    ),
+    "tokens-header-token-changed": (_rehashed("tokens", lambda t, *_: t.__setitem__(1, 5)), TOKENS),
+    "tokens-bos-in-content": (
+        _rehashed("tokens", lambda t, s, _i: t.__setitem__(_content_position(s), 1)),
+        TOKENS,
+    ),
+    "tokens-content-token-changed": (
+        _rehashed("tokens", lambda t, s, _i: t.__setitem__(_content_position(s), 5)),
+        TOKENS,
+    ),
+    "tokens-pad-in-content": (
+        _rehashed("tokens", lambda t, s, _i: t.__setitem__(_content_position(s), 32002)),
+        TOKENS,
+    ),
+    "segments-user-trainable": (_rehashed("segments", _set_field("trainable", True)), SEGMENTS),
+    "segments-unknown-role": (_rehashed("segments", _set_field("role", 7)), SEGMENTS),
+    "segments-header-len": (_rehashed("segments", _set_field("header_len", 1)), SEGMENTS),
+    "segments-length": (
+        _rehashed("segments", lambda s, *_: s["length"].__setitem__(0, s["length"][0] + 1)),
+        SEGMENTS,
+    ),
+    "index-token-len": (
+        _rehashed("index", lambda i, *_: i["token_len"].__setitem__(0, i["token_len"][0] + 1)),
+        INDEX,
+    ),
+    "index-segment-count": (
+        _rehashed(
+            "index", lambda i, *_: i["segment_count"].__setitem__(0, i["segment_count"][0] + 1)
+        ),
+        INDEX,
+    ),
+    "index-token-start": (
+        _rehashed("index", lambda i, *_: i["token_start"].__setitem__(1, 0)),
+        INDEX,
+    ),
+    "index-duplicate-doc-key": (
+        _rehashed("index", lambda i, *_: i["doc_key"].__setitem__(1, i["doc_key"][0])),
+        INDEX,
+    ),
+    "extra-unlisted-shard-file": (
+        lambda c: (c / "shards" / "sft-00009-of-00002.tokens.bin").write_bytes(
+            _shard_file(c, "tokens").read_bytes()
+        ),
+        "sft-00009-of-00002",
+    ),
+    # the tokenizer copy
+    "tokenizer-copy-changed": (
+        lambda c: (c / "tokenizer" / "mistral_v1.tokenizer.json.gz").write_bytes(b"other"),
+        "tokenizer/mistral_v1.tokenizer.json.gz",
+    ),
+    "tokenizer-copy-deleted": (
+        lambda c: (c / "tokenizer" / "mistral_v1.tokenizer.json.gz").unlink(),
+        "tokenizer/mistral_v1.tokenizer.json.gz",
+    ),
+    # FINAL_BINARY_VERIFY_REPORT.json: every key
+    **{
+        f"report-{key}": (_json(REPORT, _bump(key)), REPORT)
+        for key in (
+            "shards",
+            "documents",
+            "messages",
+            "trainable_messages",
+            "tokens_including_eos",
+            "max_token_id",
+            "vocab_size",
+            "eos_id",
+            "pad_id",
+            "message_start_id",
+            "message_end_id",
+        )
+    },
+    **{
+        f"report-{key}": (_json(REPORT, _set_key(key, False)), REPORT)
+        for key in (
+            "global_doc_keys_unique",
+            "content_tokens_exact_vs_source",
+            "offsets_lengths_exact",
+            "turkish_user_header_verified",
+            "assistant_only_trainable_contract_verified",
+            "header_schema_verified",
+            "structural_control_counts_verified",
+            "token_id_range_verified",
+            "packing_plan_verified",
+        )
+    },
+    "report-schema": (_json(REPORT, _set_key("schema", "v0")), REPORT),
+    "report-status": (_json(REPORT, _set_key("status", "FAIL")), REPORT),
+    "report-messages_by_role": (_json(REPORT, _in(["messages_by_role"], _bump("user"))), REPORT),
+    "report-special_tokens_sha256": (
+        _json(REPORT, _set_key("special_tokens_sha256", "0" * 64)),
+        REPORT,
+    ),
+    "report-content_sha256": (
+        _json(REPORT, _in(["content_sha256"], lambda d: d.reverse())),
+        REPORT,
+    ),
+    # PACKING_POLICY_ADAPTIVE_AUDIT.json: every key
+    **{
+        f"audit-{key}": (_json(AUDIT, _bump(key)), AUDIT)
+        for key in (
+            "documents",
+            "raw_tokens",
+            "windows",
+            "assistant_target_tokens",
+            "valid_context_tokens",
+            "padded_tokens",
+            "turn_aligned_continuations",
+            "assistant_aligned_continuations",
+            "hard_continuations",
+            "read_span_tokens",
+            "seq_len",
+        )
+    },
+    **{
+        f"audit-{key}": (_json(AUDIT, _set_key(key, "other")), AUDIT)
+        for key in ("schema", "status", "packing_policy", "target_policy", "continuation_policy")
+    },
+    "audit-valid_context_ratio": (_json(AUDIT, _bump("valid_context_ratio", -0.01)), AUDIT),
+    "audit-assistant_target_ratio": (_json(AUDIT, _bump("assistant_target_ratio", 0.01)), AUDIT),
+    "audit-per_shard": (_json(AUDIT, _in(["per_shard", 0], _bump("windows"))), AUDIT),
+    # SHARD_MANIFEST.json: every key the corpus can prove
+    "manifest-schema": (_json(MANIFEST, _set_key("schema", "v0")), MANIFEST),
+    "manifest-status": (_json(MANIFEST, _set_key("status", "FAIL")), MANIFEST),
+    "manifest-algorithm": (_json(MANIFEST, _set_key("algorithm", "md5")), MANIFEST),
+    "manifest-file_count": (_json(MANIFEST, _bump("file_count")), MANIFEST),
+    "manifest-shard_count": (_json(MANIFEST, _bump("shard_count")), MANIFEST),
+    "manifest-aggregate_sha256": (
+        _json(MANIFEST, _set_key("aggregate_sha256", "0" * 64)),
+        MANIFEST,
+    ),
+    "manifest-file-sha256": (
+        _json(MANIFEST, _in(["files", 0], _set_key("sha256", "0" * 64))),
+        MANIFEST,
+    ),
+    "manifest-file-size": (_json(MANIFEST, _in(["files", 0], _bump("size"))), MANIFEST),
+    "manifest-file-path": (
+        _json(MANIFEST, _in(["files", 0], _set_key("path", "shards/x.bin"))),
+        MANIFEST,
+    ),
+    "manifest-validation_shard_ids": (
+        _json(MANIFEST, _set_key("validation_shard_ids", [0])),
+        MANIFEST,
+    ),
+    "manifest-validation_sha256": (
+        _json(MANIFEST, _set_key("validation_sha256", "0" * 64)),
+        MANIFEST,
+    ),
+    "manifest-build-records": (
+        _json(MANIFEST, _in(["build", "sources", 0], _bump("records", 1000))),
+        MANIFEST,
+    ),
+    "manifest-build-kept": (_json(MANIFEST, _in(["build", "sources", 0], _bump("kept"))), MANIFEST),
+    "manifest-build-content_sha256": (
+        _json(MANIFEST, _in(["build", "content_sha256"], lambda d: d.reverse())),
+        MANIFEST,
+    ),
+    "manifest-build-tokenizer_sha256": (
+        _json(MANIFEST, _in(["build"], _set_key("tokenizer_sha256", "0" * 64))),
+        MANIFEST,
+    ),
+    # SPECIAL_TOKENS.json: every key
+    **{
+        f"special-{key}": (_json(SPECIAL, _bump(key)), SPECIAL)
+        for key in ("eos_id", "pad_id", "message_start_id", "message_end_id", "vocab_size")
+    },
+    "special-schema": (_json(SPECIAL, _set_key("schema", "v0")), SPECIAL),
+    "special-control_tokens": (
+        _json(SPECIAL, _in(["control_tokens", 0], _set_key("token", "<x>"))),
+        SPECIAL,
+    ),
+    "special-roles": (_json(SPECIAL, _in(["roles"], _set_key("user", "user"))), SPECIAL),
+    "special-role_header_token_ids": (
+        _json(SPECIAL, _in(["role_header_token_ids", "user"], lambda d: d.append(5))),
+        SPECIAL,
+    ),
+    "special-tokenizer-sha256": (
+        _json(SPECIAL, _in(["tokenizer"], _set_key("sha256", "0" * 64))),
+        SPECIAL,
+    ),
+    "special-tokenizer-base_vocab_size": (
+        _json(SPECIAL, _in(["tokenizer"], _bump("base_vocab_size"))),
+        SPECIAL,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_mutation_is_refused_by_verify_and_the_gate_naming_the_file(corpus, name):
+    mutate, blamed = MUTATIONS[name]
+    vocab = _vocab(corpus)
+    mutate(corpus)
+    problems = check_corpus(corpus)
+    assert problems and blamed in problems[0], problems
+    with pytest.raises(DatasetContractError) as err:
+        validate_dataset_contract(corpus, vocab, 1024)
+    assert blamed in str(err.value), str(err.value)
+
+
+def test_the_suite_covers_every_shard_kind_and_contract_key():
+    assert len(MUTATIONS) >= 40
+    assert all(
+        any(n.startswith(f"{k}-") for n in MUTATIONS) for k in ("tokens", "segments", "index")
+    )
+    for prefix, struct in (
+        ("report", VerifyReport),
+        ("audit", PackingAudit),
+        ("manifest", ShardManifest),
+        ("special", SpecialTokens),
+    ):
+        for key in struct.__struct_fields__:
+            assert any(n.startswith(f"{prefix}-{key.removesuffix('s')}") for n in MUTATIONS), key

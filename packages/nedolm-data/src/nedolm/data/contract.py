@@ -317,9 +317,10 @@ def manifest_problems(manifest: ShardManifest) -> list[str]:
     return [why for ok, why in checks if not ok]
 
 
-def build_problems(build: BuildProvenance, shard_count: int, tokenizer_sha256: str) -> list[str]:
+def build_problems(build: BuildProvenance, shard_count: int, special: SpecialTokens) -> list[str]:
     """The build block's claims: each source's accounting adds up, one content digest per
-    shard, and the tokenizer hash is the one of the tokenizer copy in the corpus."""
+    shard, and the tokenizer hash is the one SPECIAL_TOKENS.json records for the corpus's
+    tokenizer copy (the verifier checks the copy against that record, and names the copy)."""
     problems = [
         f"build.sources {s.name}: records {s.records} != kept {s.kept} + dropped "
         f"{sum(s.dropped.values())}"
@@ -335,9 +336,10 @@ def build_problems(build: BuildProvenance, shard_count: int, tokenizer_sha256: s
         problems.append(
             f"build.content_sha256 holds {len(build.content_sha256)} digests for {shard_count} shards"
         )
-    if build.tokenizer_sha256 != tokenizer_sha256:
+    if build.tokenizer_sha256 != special.tokenizer.sha256:
         problems.append(
-            "build.tokenizer_sha256 differs from the sha256 of the corpus's tokenizer copy"
+            f"build.tokenizer_sha256 differs from the sha256 of the tokenizer copy "
+            f"{special.tokenizer.file} that {SPECIAL_TOKENS_FILE} records"
         )
     return problems
 

@@ -198,6 +198,20 @@ def _check_token_range(
         )
 
 
+_CHECK_ORDER = [
+    "offsets_lengths_exact",
+    "header_schema_verified",
+    "structural_control_counts_verified",
+    "assistant_only_trainable_contract_verified",
+    "token_id_range_verified",
+    "turkish_user_header_verified",
+    "global_doc_keys_unique",
+    "packing_plan_verified",
+    "content_tokens_exact_vs_source",
+]
+"""Problems are listed cause first: a broken layout before what it breaks downstream (the
+content digest, which any layout fault changes too, comes last)."""
+
 _ROLE_RULE_CHECKS = {
     "unknown_role": "header_schema_verified",
     "bad_flag": "assistant_only_trainable_contract_verified",
@@ -380,11 +394,7 @@ def verify_corpus(
         for key, messages in facts.failed.items():
             failed.setdefault(key, []).extend(messages)
     _check_special_tokens(specials, tokenizer, tokenizer_problem, failed)
-    keys = np.concatenate([f.doc_keys for f in per_shard])
-    if len(np.unique(keys)) != len(keys):
-        failed.setdefault("global_doc_keys_unique", []).append(
-            f"{len(keys) - len(np.unique(keys))} duplicate document keys"
-        )
+    _check_doc_keys_unique(shards, [f.doc_keys for f in per_shard], failed)
     recomputed = [f.content_sha256 for f in per_shard]
     if content_sha256 is None:
         failed.setdefault("content_tokens_exact_vs_source", []).append(
@@ -416,8 +426,8 @@ def verify_corpus(
         failed.setdefault("packing_plan_verified", []).append(
             f"{total.hard_continuations} hard continuations"
         )
-    for key, messages in sorted(failed.items()):
-        problems.extend(f"{key}: {m}" for m in messages)
+    for key in sorted(failed, key=_CHECK_ORDER.index):
+        problems.extend(f"{key}: {m}" for m in failed[key])
 
     roles = role_totals([f.roles for f in per_shard if f.roles is not None])
     report = VerifyReport(
@@ -442,6 +452,22 @@ def verify_corpus(
     audit = packing_audit_document(seq_len, counts, "packing_plan_verified" not in failed)
     complete = all(f.readable for f in per_shard)
     return VerifyResult(report, audit, files, problems, complete)
+
+
+def _check_doc_keys_unique(
+    shards: list[Shard], keys: list[np.ndarray], failed: dict[str, list[str]]
+) -> None:
+    """Document keys are unique across the corpus; a repeat names the index file holding it."""
+    every = np.concatenate(keys)
+    unique, first = np.unique(every, return_index=True)
+    if len(unique) == len(every):
+        return
+    repeat = _first(np.isin(np.arange(len(every)), first, invert=True))
+    shard = int(np.searchsorted(np.cumsum([len(k) for k in keys]), repeat, side="right"))
+    failed.setdefault("global_doc_keys_unique", []).append(
+        f"{shards[shard].index_path.name}: {len(every) - len(unique)} duplicate document keys "
+        f"(first: doc_key {int(every[repeat])})"
+    )
 
 
 _TOKENIZERS: dict[str, TextTokenizer] = {}
@@ -538,25 +564,19 @@ def check_corpus(data_dir: Path, *, workers: int = 8) -> list[str]:
         manifest_problems(manifest)
         + listing_problems(manifest.files, [entry.path for entry in result.files])
         + entry_problems(manifest.files, result.files)
-        + build_problems(
-            manifest.build, len(result.report.content_sha256), _copy_sha256(data_dir, specials)
-        )
+        + build_problems(manifest.build, len(result.report.content_sha256), specials)
     )
     problems = [f"{SHARD_MANIFEST_FILE}: {claim}" for claim in claims] + result.problems
     if docs[VERIFY_REPORT_FILE].get("special_tokens_sha256") != result.report.special_tokens_sha256:
-        problems.append(f"{SPECIAL_TOKENS_FILE}: changed since the corpus was verified")
+        problems.insert(  # the binaries were checked against changed ids: report this first
+            0,
+            f"{SPECIAL_TOKENS_FILE}: changed since the corpus was verified (its sha256 differs "
+            f"from the one {VERIFY_REPORT_FILE} records)",
+        )
     if result.complete and not result.problems:
         problems += _diff(VERIFY_REPORT_FILE, docs[VERIFY_REPORT_FILE], result.report)
         problems += _diff(PACKING_AUDIT_FILE, audit, result.audit)
     return problems
-
-
-def _copy_sha256(data_dir: Path, specials: SpecialTokens) -> str:
-    """sha256 of the corpus's tokenizer copy ("" when it is missing)."""
-    try:
-        return file_sha256(data_dir / specials.tokenizer.file)
-    except OSError:
-        return ""
 
 
 def _diff(file_name: str, on_disk: dict[str, Any], recomputed: msgspec.Struct) -> list[str]:
