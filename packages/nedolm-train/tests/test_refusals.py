@@ -8,9 +8,13 @@ import shutil
 import signal
 from pathlib import Path
 
+import msgspec
+import numpy as np
 import pytest
 import yaml
 
+from nedolm.data.contract import aggregate_sha256, hash_entries
+from nedolm.data.format import read_array, write_array
 from nedolm.train.config import load_sft_config
 from nedolm.train.trainer import run
 
@@ -54,6 +58,45 @@ def test_missing_or_failed_contract_files(harness, tmp_path, corpus, base_run, d
     with pytest.raises(RuntimeError, match="validate dataset contract failed") as err:
         _run(_config_for(harness, tmp_path, data, base_run))
     assert needle in str(err.value)
+
+
+def _merge_first_two_documents(data: Path) -> None:
+    """Overwrite shard 1's first EOS (documents 0 and 1 would share attention) and re-hash the
+    manifest to match: only the recomputation from the binaries can see it."""
+    tokens_path = data / "shards" / "sft-00001-of-00004.tokens.bin"
+    index = read_array(data / "shards" / "sft-00001-of-00004.index.bin", "index")
+    tokens = np.array(read_array(tokens_path, "tokens"))
+    tokens[int(index["token_len"][0]) - 1] = tokens[1]
+    write_array(tokens_path, "tokens", tokens)
+    manifest = json.loads((data / "SHARD_MANIFEST.json").read_text(encoding="utf-8"))
+    entries = hash_entries(data, [data / e["path"] for e in manifest["files"]])
+    files = [msgspec.to_builtins(e) for e in entries]
+    _edit_json(data / "SHARD_MANIFEST.json", files=files, aggregate_sha256=aggregate_sha256(files))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (
+            lambda d: _edit_json(d / "FINAL_BINARY_VERIFY_REPORT.json", documents=1),
+            "FINAL_BINARY_VERIFY_REPORT.json: 'documents' is 1, recomputed",
+        ),
+        (
+            lambda d: (d / "tokenizer" / "tokenizer.json").unlink(),
+            "cannot re-encode the role headers",
+        ),
+        (_merge_first_two_documents, "sft-00001-of-00004.tokens.bin: 1 EOS missing"),
+    ],
+)
+def test_run_refuses_what_verify_rejects(harness, tmp_path, corpus, base_run, damage, needle):
+    """Issue 15: the start-up gate performs verify's checks; ``python -m nedolm.train`` refuses."""
+    data = _copy_corpus(corpus, tmp_path)
+    damage(data)
+    job = harness.Job(_config_for(harness, tmp_path, data, base_run), args=("--no-compile",))
+    assert job.wait() == [1]
+    assert "validate dataset contract failed" in job.output() and needle in job.output()
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_changed_shard_bytes(harness, tmp_path, corpus, base_run):
