@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nedolm.data.builder import BuildOptions, build_corpus
+from nedolm.data.builder import BuildError, BuildOptions, build_corpus
 from nedolm.data.contract import (
     DatasetContractError,
     PackingAudit,
@@ -505,3 +506,19 @@ def test_the_suite_covers_every_shard_kind_and_contract_key():
     ):
         for key in struct.__struct_fields__:
             assert any(n.startswith(f"{prefix}-{key.removesuffix('s')}") for n in MUTATIONS), key
+
+
+# Cheap early checks
+
+
+def test_out_holding_a_different_corpus_is_refused_before_the_build(
+    tmp_path, fixture_corpus, tr_chat_inputs, tokenizer_json
+):
+    """The extra input's bad record would stop the build: the refusal must come first."""
+    out = Path(shutil.copytree(fixture_corpus, tmp_path / "data"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [\n', encoding="utf-8")
+    with pytest.raises(BuildError, match=r"holds a different corpus; .*\(inputs differ\)"):
+        build_corpus([*tr_chat_inputs, bad], tokenizer_json, out, BuildOptions(seq_len=1024))
+    with pytest.raises(BuildError, match=r"\(seq_len differ\)"):
+        build_corpus([*tr_chat_inputs], tokenizer_json, out, BuildOptions(seq_len=512))

@@ -29,7 +29,7 @@ from nedolm.data.contract import (
 from nedolm.data.encode import ChunkEncoder, EncodedDocument, encoded_chunks
 from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE
 from nedolm.data.hashing import file_sha256
-from nedolm.data.install import check_out, fresh_tmp_dir, install
+from nedolm.data.install import check_out, check_out_corpus, fresh_tmp_dir, install
 from nedolm.data.packing import (
     DROP_HARD_CONTINUATION,
     DROP_MESSAGE_TOO_LONG,
@@ -104,6 +104,7 @@ def build_corpus(
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer_file = f"{TOKENIZER_DIR}/{tokenizer.name}"
     specials = build_special_tokens(tokenizer, tokenizer_file)
+    check_out_corpus(out, paths, specials.tokenizer.sha256, options.seq_len, options.overwrite)
     encoder = ChunkEncoder(tokenizer, specials, options.policy, options.seq_len)
 
     tmp = fresh_tmp_dir(out, SHARDS_DIR, TOKENIZER_DIR)
