@@ -3,6 +3,7 @@ packages/nedolm-train/tests/test_contract.py). Each failed on the code before th
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
@@ -22,7 +23,7 @@ from nedolm.data.contract import (
     validate_dataset_contract,
 )
 from nedolm.data.format import SpecialTokens, discover_shards, read_array, write_array
-from nedolm.data.sources import InputError, RecordPolicy
+from nedolm.data.sources import InputError, RecordPolicy, bounded_lines
 from nedolm.data.verify import check_corpus
 
 MANIFEST = "SHARD_MANIFEST.json"
@@ -522,3 +523,37 @@ def test_out_holding_a_different_corpus_is_refused_before_the_build(
         build_corpus([*tr_chat_inputs, bad], tokenizer_json, out, BuildOptions(seq_len=1024))
     with pytest.raises(BuildError, match=r"\(seq_len differ\)"):
         build_corpus([*tr_chat_inputs], tokenizer_json, out, BuildOptions(seq_len=512))
+
+
+def test_an_oversized_line_is_refused_or_dropped_without_reading_it_whole(tmp_path, tokenizer_json):
+    long_answer = "uzun " * 400  # ~2 KB, above the 1 KB limit below
+    path = _write_chats(
+        tmp_path / "chats.jsonl",
+        [("user", "Merhaba"), ("assistant", "Selam!")],
+        [("user", "Anlat"), ("assistant", long_answer)],
+        [("user", "Soru"), ("assistant", "Cevap")],
+    )
+    small = BuildOptions(seq_len=1024, max_line_bytes=1024)
+    with pytest.raises(InputError, match=r"chats\.jsonl:2: the line holds \d+ bytes, more than"):
+        build_corpus([path], tokenizer_json, tmp_path / "out", small)
+    drop = BuildOptions(
+        seq_len=1024, max_line_bytes=1024, policy=RecordPolicy(invalid_records="drop")
+    )
+    report = build_corpus([path], tokenizer_json, tmp_path / "out", drop)
+    assert (report.sources[0].kept, report.sources[0].dropped) == (2, {"line_too_long": 1})
+
+
+def test_bounded_lines_holds_at_most_the_limit_of_a_line():
+    class Reader(io.BytesIO):
+        largest = 0
+
+        def readline(self, size=-1):
+            line = super().readline(size)
+            Reader.largest = max(Reader.largest, len(line))
+            return line
+
+    data = b"a" * 100 + b"\n" + b"b" * (5 << 20) + b"\n" + b"c\n"
+    lines = list(bounded_lines(Reader(data), 1000))
+    assert [len(x) for x in lines[::2]] == [101, 2]
+    assert (lines[1].size, lines[1].limit) == ((5 << 20) + 1, 1000)
+    assert Reader.largest == 1 << 20  # the skipped line is read in 1 MiB pieces, never whole

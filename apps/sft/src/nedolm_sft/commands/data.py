@@ -12,7 +12,7 @@ from nedolm.data.builder import BuildError, BuildOptions, BuildReport, build_cor
 from nedolm.data.contract import PACKING_AUDIT_FILE
 from nedolm.data.format import ShardFormatError
 from nedolm.data.packing import discover_sft_shards
-from nedolm.data.sources import InputError, RecordPolicy
+from nedolm.data.sources import MAX_LINE_BYTES, InputError, RecordPolicy
 from nedolm.data.stats import corpus_stats, packing_quality
 from nedolm.data.summary import corpus_summary
 from nedolm.data.tokenizer import TokenizerError
@@ -103,6 +103,13 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     help="Malformed JSON, empty content, control strings, ...: stop, or drop and count.",
 )
 @click.option(
+    "--max-line-bytes",
+    type=click.IntRange(min=1),
+    default=MAX_LINE_BYTES,
+    show_default=True,
+    help="A longer input line is a bad record (see --invalid-records), skipped without reading it whole.",
+)
+@click.option(
     "--workers",
     type=click.IntRange(min=1),
     default=1,
@@ -123,6 +130,7 @@ def prepare(
     unsupported_roles: str,
     map_role: tuple[str, ...],
     invalid_records: str,
+    max_line_bytes: int,
     workers: int,
     overwrite: bool,
     progress: bool,
@@ -151,6 +159,7 @@ def prepare(
                 role_map=_role_map(map_role),
             ),
             workers=workers,
+            max_line_bytes=max_line_bytes,
             overwrite=overwrite,
         )
         started = time.perf_counter()

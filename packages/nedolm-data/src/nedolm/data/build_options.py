@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from nedolm.data.sources import RecordPolicy
+from nedolm.data.sources import MAX_LINE_BYTES, RecordPolicy
 
 
 class BuildError(RuntimeError):
@@ -27,6 +27,7 @@ class BuildOptions:
     policy: RecordPolicy = field(default_factory=RecordPolicy)
     workers: int = 1  # 1: encode in this process; >1: a pool of processes
     chunk_records: int = 256
+    max_line_bytes: int = MAX_LINE_BYTES  # a longer input line is a bad record, never read whole
     overwrite: bool = False  # replace an ``out`` that holds a different corpus
 
     def __post_init__(self) -> None:
@@ -44,6 +45,8 @@ class BuildOptions:
             raise BuildError(f"--val-fraction must be in (0, 1), not {self.val_fraction}")
         if self.workers < 1 or self.chunk_records < 1:
             raise BuildError("--workers and the chunk size must be at least 1")
+        if self.max_line_bytes < 1:
+            raise BuildError(f"--max-line-bytes must be positive, not {self.max_line_bytes}")
 
     @property
     def shard_count(self) -> int | None:

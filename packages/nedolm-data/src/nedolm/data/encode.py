@@ -154,7 +154,7 @@ def encoded_chunks(
 ) -> Iterator[tuple[int, int, list[Encoded]]]:
     """(source, bytes read, results) per chunk, in input order, at most 2*workers in flight."""
     names = [p.name for p in paths]
-    chunks = _chunks(paths, options.chunk_records)
+    chunks = _chunks(paths, options.chunk_records, options.max_line_bytes)
     if options.workers == 1:
         yield from _pipelined(chunks, names, encoder)
         return
@@ -177,10 +177,10 @@ def encoded_chunks(
             yield source_done, size, result.get()
 
 
-def _chunks(paths: Sequence[Path], size: int) -> Iterator[tuple[int, Lines]]:
+def _chunks(paths: Sequence[Path], size: int, max_line: int) -> Iterator[tuple[int, Lines]]:
     for source, path in enumerate(paths):
         chunk: Lines = []
-        for item in iter_lines(path):
+        for item in iter_lines(path, max_line):
             chunk.append(item)
             if len(chunk) == size:
                 yield source, chunk

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
@@ -42,6 +42,8 @@ CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
 SPECIAL_TOKEN_IN_CONTENT = "special_token_in_content"
 DUPLICATE_RECORD = "duplicate_record"
 UNSUPPORTED_ROLE = "unsupported_role"
+LINE_TOO_LONG = "line_too_long"
+MAX_LINE_BYTES = 8 << 20
 
 _CONTROL_STRINGS = (MESSAGE_START_TOKEN, MESSAGE_END_TOKEN)
 _ROLE_CODES = {name: code for code, name in enumerate(ROLE_NAMES)}
@@ -103,23 +105,58 @@ def doc_key(source_name: str, record_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+def iter_lines(path: Path, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes) of every non-blank line; memory is one line.
 
     A UTF-8 byte order mark (common in exports from Windows tools) is skipped.
     """
     with Path(path).open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if line_no == 1:
+        for line_no, raw in enumerate(bounded_lines(f, max_bytes), start=1):
+            if line_no == 1 and not isinstance(raw, OversizedLine):
                 raw = raw.removeprefix(b"\xef\xbb\xbf")
             if raw.strip():
                 yield line_no, raw
+
+
+class OversizedLine(bytes):
+    """Stands for an input line longer than the limit, which is skipped, never held whole:
+    ``size`` is its length in bytes, ``limit`` the limit it broke."""
+
+    size: int
+    limit: int
+
+
+def bounded_lines(f: BinaryIO, max_bytes: int) -> Iterator[bytes]:
+    """The lines of ``f``, reading at most ``max_bytes + 1`` bytes of any line into memory;
+    a longer line comes as an ``OversizedLine`` after the rest of it was skipped."""
+    while raw := f.readline(max_bytes + 1):
+        if len(raw) <= max_bytes or raw.endswith(b"\n"):
+            yield raw
+            continue
+        size = len(raw)
+        while not raw.endswith(b"\n") and (raw := f.readline(1 << 20)):
+            size += len(raw)
+        line = OversizedLine(b"<oversized line>")
+        line.size, line.limit = size, max_bytes
+        yield line
+
+
+def oversized_rejection(raw: bytes, where: str) -> Rejected | None:
+    if not isinstance(raw, OversizedLine):
+        return None
+    return Rejected(
+        LINE_TOO_LONG,
+        f"{where}: the line holds {raw.size} bytes, more than the limit of {raw.limit} "
+        "(--max-line-bytes); drop such records with --invalid-records drop",
+    )
 
 
 def parse_record(
     raw: bytes, source_name: str, line_no: int, policy: RecordPolicy
 ) -> Conversation | Rejected:
     """One JSONL line → a conversation, or the first reason it cannot be one."""
+    if rejected := oversized_rejection(raw, f"{source_name}:{line_no}"):
+        return rejected
     try:
         return _parse(raw, source_name, line_no, policy)
     except _Reject as reject:
