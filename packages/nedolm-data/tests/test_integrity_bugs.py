@@ -23,7 +23,8 @@ from nedolm.data.contract import (
     validate_dataset_contract,
 )
 from nedolm.data.format import SpecialTokens, discover_shards, read_array, write_array
-from nedolm.data.sources import InputError, RecordPolicy, bounded_lines
+from nedolm.data.records import ROLE_ASSISTANT, ROLE_SYSTEM, ROLE_USER
+from nedolm.data.sources import InputError, RecordPolicy, bounded_lines, parse_record
 from nedolm.data.verify import check_corpus
 
 MANIFEST = "SHARD_MANIFEST.json"
@@ -557,3 +558,36 @@ def test_bounded_lines_holds_at_most_the_limit_of_a_line():
     assert [len(x) for x in lines[::2]] == [101, 2]
     assert (lines[1].size, lines[1].limit) == ((5 << 20) + 1, 1000)
     assert Reader.largest == 1 << 20  # the skipped line is read in 1 MiB pieces, never whole
+
+
+# Reported, not silent: OpenAI weight and Alpaca history
+
+
+def _parse(record):
+    return parse_record(json.dumps(record).encode(), "chats.jsonl", 1, RecordPolicy())
+
+
+def test_openai_weight_zero_makes_the_message_context():
+    turns = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "weight": 0},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d", "weight": 1},
+    ]
+    conv = _parse({"messages": turns})
+    assert [m.trainable for m in conv.messages] == [False, False, False, True]
+    bad = _parse({"messages": [*turns[:3], {**turns[3], "weight": 0.5}]})
+    assert bad.reason == "invalid_message" and "'weight' must be 0 or 1, not 0.5" in bad.message
+
+
+def test_alpaca_history_becomes_the_earlier_turns():
+    conv = _parse({"instruction": "c", "output": "d", "history": [["a", "b"]], "system": "s"})
+    assert [(m.role, m.text, m.trainable) for m in conv.messages] == [
+        (ROLE_SYSTEM, "s", False),
+        (ROLE_USER, "a", False),
+        (ROLE_ASSISTANT, "b", True),
+        (ROLE_USER, "c", False),
+        (ROLE_ASSISTANT, "d", True),
+    ]
+    bad = _parse({"instruction": "c", "output": "d", "history": ["a"]})
+    assert bad.reason == "invalid_message" and "'history' must be a list" in bad.message

@@ -213,6 +213,7 @@ def _chat_messages(raw_messages: Any, policy: RecordPolicy) -> tuple[Message, ..
         # A mapped role (e.g. tool=assistant) renders context; it never becomes a target.
         mapped = role_name != item["role"]
         trainable = role == ROLE_ASSISTANT and train and not tool_calls and not mapped
+        trainable = trainable and message_weight(item, i)
         messages.append(Message(role=role, text=text, trainable=trainable))
     return tuple(messages)
 
@@ -223,11 +224,38 @@ def _alpaca_messages(record: dict[str, Any]) -> tuple[Message, ...]:
     if not isinstance(extra, str):
         raise _Reject(NON_STRING_CONTENT, "'input' must be a string")
     user = f"{instruction}\n\n{_content(extra, 'input')}" if extra.strip() else instruction
-    messages = [Message(ROLE_USER, user, False)]
+    messages = [*alpaca_history(record.get("history")), Message(ROLE_USER, user, False)]
     if record.get("system"):
         messages.insert(0, Message(ROLE_SYSTEM, _content(record["system"], "system"), False))
     messages.append(Message(ROLE_ASSISTANT, _content(record["output"], "output"), True))
     return tuple(messages)
+
+
+def message_weight(item: dict[str, Any], index: int) -> bool:
+    """OpenAI fine-tuning's per-message ``weight``: 0 makes the message context, 1 (or none)
+    leaves it as it is; anything else is refused rather than ignored."""
+    weight = item.get("weight", 1)
+    if weight not in (0, 1) or isinstance(weight, bool):
+        raise _Reject(
+            INVALID_MESSAGE, f"messages[{index}]: 'weight' must be 0 or 1, not {weight!r}"
+        )
+    return weight == 1
+
+
+def alpaca_history(history: Any) -> list[Message]:
+    """Alpaca's ``history`` ([[instruction, output], ...], oldest first) as the earlier user and
+    assistant turns; a malformed history is refused rather than ignored."""
+    if history is None:
+        return []
+    if not isinstance(history, list) or not all(
+        isinstance(turn, list) and len(turn) == 2 for turn in history
+    ):
+        raise _Reject(INVALID_MESSAGE, "'history' must be a list of [instruction, output] pairs")
+    turns = []
+    for i, (instruction, output) in enumerate(history):
+        turns.append(Message(ROLE_USER, _content(instruction, f"history[{i}][0]"), False))
+        turns.append(Message(ROLE_ASSISTANT, _content(output, f"history[{i}][1]"), True))
+    return turns
 
 
 def _content(value: Any, where: int | str, allow_empty: bool = False) -> str:
