@@ -14,6 +14,7 @@ import pytest
 
 from nedolm.data.builder import BuildError, BuildOptions, build_corpus
 from nedolm.data.contract import (
+    REQUIRED_TRUE,
     DatasetContractError,
     PackingAudit,
     ShardManifest,
@@ -370,17 +371,7 @@ MUTATIONS = {
     },
     **{
         f"report-{key}": (_json(REPORT, _set_key(key, False)), REPORT)
-        for key in (
-            "global_doc_keys_unique",
-            "content_tokens_exact_vs_source",
-            "offsets_lengths_exact",
-            "turkish_user_header_verified",
-            "assistant_only_trainable_contract_verified",
-            "header_schema_verified",
-            "structural_control_counts_verified",
-            "token_id_range_verified",
-            "packing_plan_verified",
-        )
+        for key in (*REQUIRED_TRUE, "packing_plan_verified")
     },
     "report-schema": (_json(REPORT, _set_key("schema", "v0")), REPORT),
     "report-status": (_json(REPORT, _set_key("status", "FAIL")), REPORT),

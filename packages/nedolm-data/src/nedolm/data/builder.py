@@ -48,14 +48,8 @@ PLANNER_DROPS = (DROP_NO_TARGET, DROP_MESSAGE_TOO_LONG, DROP_HARD_CONTINUATION)
 """Documents the plan cannot use: always dropped and counted, never an error (SPEC §2)."""
 
 
-class SourceReport(msgspec.Struct, frozen=True):
-    """One input file's accounting: ``records == kept + sum(dropped.values())``."""
-
-    name: str
-    sha256: str
-    records: int
-    kept: int
-    dropped: dict[str, int]
+SourceReport = SourceEntry
+"""One input file's accounting, as the manifest's build block records it."""
 
 
 class BuildReport(msgspec.Struct, frozen=True):
@@ -117,11 +111,7 @@ def build_corpus(
         result = verify_corpus(tmp, options.seq_len, content_sha256=digests, tokenizer=tokenizer)
         if result.problems:
             raise BuildError("the built corpus failed verification:\n" + "\n".join(result.problems))
-        build_block = BuildProvenance(
-            msgspec.convert(msgspec.to_builtins(sources), list[SourceEntry]),
-            digests,
-            specials.tokenizer.sha256,
-        )
+        build_block = BuildProvenance(sources, digests, specials.tokenizer.sha256)
         manifest = manifest_document(result.files, validation_ids, build_block)
         write_contract(tmp, result.report, result.audit, manifest)
         identical = install(tmp, out, options.overwrite)
