@@ -143,8 +143,9 @@ def content_rejection(
         if special:
             return Rejected(
                 SPECIAL_TOKEN_IN_CONTENT,
-                f"{where}: messages[{i}] encodes to the special id {min(special)} (text such as"
-                " '<s>' that this tokenizer turns into a special token)",
+                f"{where}: messages[{i}] encodes to the special id {min(special)} (typed text"
+                " such as '<s>', or characters the tokenizer cannot encode, which become its"
+                " special '<unk>')",
             )
     return None
 
