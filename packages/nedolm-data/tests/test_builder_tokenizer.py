@@ -111,7 +111,7 @@ def test_a_tokenizer_that_turns_typed_eos_into_eos_is_caught(tmp_path):
     inputs = tmp_path / "chats.jsonl"
     inputs.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n", encoding="utf-8")
     with pytest.raises(
-        InputError, match=r"chats\.jsonl:2: messages\[0\] encodes to the EOS or pad id"
+        InputError, match=r"chats\.jsonl:2: messages\[0\] encodes to the special id 2 "
     ):
         build_corpus([inputs], tokenizer, tmp_path / "out", BuildOptions(seq_len=64))
     policy = RecordPolicy(invalid_records="drop")

@@ -122,7 +122,7 @@ def _set(key, value):
         (
             "SHARD_MANIFEST.json",
             lambda d: d["build"]["content_sha256"].reverse(),
-            "content tokens differ",
+            "build.content_sha256[0] differs from shard 0's content digest",
         ),
         ("SPECIAL_TOKENS.json", _set("eos_id", 3), "SPECIAL_TOKENS.json"),
         ("SPECIAL_TOKENS.json", _set("roles", {"user": "user"}), "SPECIAL_TOKENS.json"),

@@ -33,6 +33,19 @@ def test_split_by_shard_id_and_its_errors() -> None:
         split_train_val(_shards(0, 1), [0, 1])
 
 
+def test_the_corpus_held_out_shards_never_train_unless_allowed() -> None:
+    """Issue 15 bug 2: validation disabled (no ids) or other ids must not train shard 3."""
+    shards = _shards(0, 1, 2, 3)
+    for val_ids in ([], [1]):
+        train, val = split_train_val(shards, val_ids, held_out=[3])
+        assert 3 not in [s.shard_id for s in train]
+        assert [s.shard_id for s in val] == val_ids
+    train, _ = split_train_val(shards, [], held_out=[3], train_on_held_out=True)
+    assert [s.shard_id for s in train] == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="leave no training shard"):
+        split_train_val(_shards(0, 1), [0], held_out=[1])
+
+
 def test_plan_check_names_every_differing_count() -> None:
     stats = {
         "windows": 10,

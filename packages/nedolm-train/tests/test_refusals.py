@@ -8,9 +8,13 @@ import shutil
 import signal
 from pathlib import Path
 
+import msgspec
+import numpy as np
 import pytest
 import yaml
 
+from nedolm.data.contract import aggregate_sha256, hash_entries
+from nedolm.data.format import read_array, write_array
 from nedolm.train.config import load_sft_config
 from nedolm.train.trainer import run
 
@@ -56,6 +60,45 @@ def test_missing_or_failed_contract_files(harness, tmp_path, corpus, base_run, d
     assert needle in str(err.value)
 
 
+def _merge_first_two_documents(data: Path) -> None:
+    """Overwrite shard 1's first EOS (documents 0 and 1 would share attention) and re-hash the
+    manifest to match: only the recomputation from the binaries can see it."""
+    tokens_path = data / "shards" / "sft-00001-of-00004.tokens.bin"
+    index = read_array(data / "shards" / "sft-00001-of-00004.index.bin", "index")
+    tokens = np.array(read_array(tokens_path, "tokens"))
+    tokens[int(index["token_len"][0]) - 1] = tokens[1]
+    write_array(tokens_path, "tokens", tokens)
+    manifest = json.loads((data / "SHARD_MANIFEST.json").read_text(encoding="utf-8"))
+    entries = hash_entries(data, [data / e["path"] for e in manifest["files"]])
+    files = [msgspec.to_builtins(e) for e in entries]
+    _edit_json(data / "SHARD_MANIFEST.json", files=files, aggregate_sha256=aggregate_sha256(files))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (
+            lambda d: _edit_json(d / "FINAL_BINARY_VERIFY_REPORT.json", documents=1),
+            "FINAL_BINARY_VERIFY_REPORT.json: 'documents' is 1, recomputed",
+        ),
+        (
+            lambda d: (d / "tokenizer" / "tokenizer.json").unlink(),
+            "cannot re-encode the role headers",
+        ),
+        (_merge_first_two_documents, "sft-00001-of-00004.tokens.bin: 1 EOS missing"),
+    ],
+)
+def test_run_refuses_what_verify_rejects(harness, tmp_path, corpus, base_run, damage, needle):
+    """Issue 15: the start-up gate performs verify's checks; ``python -m nedolm.train`` refuses."""
+    data = _copy_corpus(corpus, tmp_path)
+    damage(data)
+    job = harness.Job(_config_for(harness, tmp_path, data, base_run), args=("--no-compile",))
+    assert job.wait() == [1]
+    assert "validate dataset contract failed" in job.output() and needle in job.output()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_changed_shard_bytes(harness, tmp_path, corpus, base_run):
     data = _copy_corpus(corpus, tmp_path)
     shard = data / "shards" / "sft-00001-of-00004.tokens.bin"
@@ -74,7 +117,7 @@ def test_plan_differs_from_audit(harness, tmp_path, corpus, base_run):
     _edit_json(audit, windows=windows + 1)
     with pytest.raises(RuntimeError) as err:
         _run(_config_for(harness, tmp_path, data, base_run))
-    assert f"windows: recomputed {windows} != audited {windows + 1}" in str(err.value)
+    assert f"'windows' is {windows + 1}, recomputed {windows}" in str(err.value)
 
 
 def test_seq_len_above_the_models(harness, tmp_path, corpus, base_run):
@@ -146,10 +189,10 @@ def test_resume_refuses_a_changed_compile_mode(harness, tmp_path, corpus, base_r
 def test_resume_refuses_a_changed_dataset(harness, tmp_path, corpus, base_run, checkpointed):
     shutil.copytree(checkpointed, tmp_path / "run")
     data = _copy_corpus(corpus, tmp_path)
-    special = data / "SPECIAL_TOKENS.json"  # same content, other bytes: another contract file
-    special.write_text(json.dumps(json.loads(special.read_text(encoding="utf-8")), indent=1))
+    manifest = data / "SHARD_MANIFEST.json"  # same content, other bytes: another contract file
+    manifest.write_text(json.dumps(json.loads(manifest.read_text(encoding="utf-8")), indent=1))
     config = _config_for(harness, tmp_path, data, base_run, train={"max_steps": 2})
     with pytest.raises(RuntimeError) as err:
         _run(config)
     assert "dataset.fingerprint: checkpoint" in str(err.value)
-    assert "dataset.special_tokens_sha256: checkpoint" in str(err.value)
+    assert "dataset.shard_manifest_sha256: checkpoint" in str(err.value)

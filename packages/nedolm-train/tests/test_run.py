@@ -66,3 +66,20 @@ def test_archives_on_a_wall_clock_cadence(make_config) -> None:
     archive = load_checkpoint(archives[-1])
     assert set(archive) >= {"model", "model_config", "eos_id", "fingerprints"}
     assert "optimizer" not in archive
+
+
+def test_held_out_shard_is_not_trained_when_validation_is_off(make_config) -> None:
+    """Issue 15 bug 2: the corpus holds shard 2 out (VAL_SHARD); disabling validation must not
+    train it, unless validation.train_on_held_out says so; the log names the split."""
+    config = make_config("off", train={"max_steps": 1}, validation={"enabled": False})
+    run(load_sft_config(config), compile=False)
+    log = (config.with_suffix("") / "train.log").read_text(encoding="utf-8")
+    assert "shards: train [0, 1, 3], validate [], held out by the corpus [2]" in log
+    allowed = make_config(
+        "allowed",
+        train={"max_steps": 1},
+        validation={"enabled": False, "train_on_held_out": True},
+    )
+    run(load_sft_config(allowed), compile=False)
+    log = (allowed.with_suffix("") / "train.log").read_text(encoding="utf-8")
+    assert "shards: train [0, 1, 2, 3], validate []" in log

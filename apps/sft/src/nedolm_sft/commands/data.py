@@ -15,7 +15,7 @@ from nedolm.data.contract import PACKING_AUDIT_FILE
 from nedolm.data.format import ShardFormatError
 from nedolm.data.inputs import FORMATS
 from nedolm.data.packing import discover_sft_shards
-from nedolm.data.sources import InputError, RecordPolicy
+from nedolm.data.sources import MAX_LINE_BYTES, InputError, RecordPolicy
 from nedolm.data.stats import corpus_stats, packing_quality
 from nedolm.data.summary import corpus_summary
 from nedolm.data.tokenizer import TokenizerError
@@ -138,6 +138,13 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     help="Also write the build report (accounting, drop examples) as JSON to this file.",
 )
 @click.option(
+    "--max-line-bytes",
+    type=click.IntRange(min=1),
+    default=MAX_LINE_BYTES,
+    show_default=True,
+    help="A longer input line is a bad record (see --invalid-records), skipped without reading it whole.",
+)
+@click.option(
     "--workers",
     type=click.IntRange(min=1),
     default=1,
@@ -163,6 +170,7 @@ def prepare(
     on_bad_record: str | None,
     train_tool_calls: bool,
     report_path: Path | None,
+    max_line_bytes: int,
     workers: int,
     overwrite: bool,
     progress: bool,
@@ -195,6 +203,7 @@ def prepare(
             input_format=input_format,
             messages_field=messages_field,
             workers=workers,
+            max_line_bytes=max_line_bytes,
             overwrite=overwrite,
         )
         started = time.perf_counter()

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from nedolm.data.inputs import FORMATS
-from nedolm.data.sources import RecordPolicy
+from nedolm.data.sources import MAX_LINE_BYTES, RecordPolicy
 
 
 class BuildError(RuntimeError):
@@ -30,6 +30,7 @@ class BuildOptions:
     messages_field: str | None = None  # the key/column holding the turns (default: messages)
     workers: int = 1  # 1: encode in this process; >1: a pool of processes
     chunk_records: int = 256
+    max_line_bytes: int = MAX_LINE_BYTES  # a longer input line is a bad record, never read whole
     overwrite: bool = False  # replace an ``out`` that holds a different corpus
 
     def __post_init__(self) -> None:
@@ -51,6 +52,8 @@ class BuildOptions:
             )
         if self.workers < 1 or self.chunk_records < 1:
             raise BuildError("--workers and the chunk size must be at least 1")
+        if self.max_line_bytes < 1:
+            raise BuildError(f"--max-line-bytes must be positive, not {self.max_line_bytes}")
 
     @property
     def shard_count(self) -> int | None:

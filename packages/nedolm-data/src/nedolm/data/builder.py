@@ -19,11 +19,17 @@ import msgspec
 from tqdm import tqdm
 
 from nedolm.data.build_options import BuildError, BuildOptions
-from nedolm.data.contract import dump_json, manifest_document, write_contract
+from nedolm.data.contract import (
+    BuildProvenance,
+    SourceEntry,
+    dump_json,
+    manifest_document,
+    write_contract,
+)
 from nedolm.data.encode import ChunkEncoder, EncodedDocument, encoded_chunks
 from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE
 from nedolm.data.inputs import input_sha256, input_size, read_records, source_names
-from nedolm.data.install import check_out, fresh_tmp_dir, install
+from nedolm.data.install import check_out, check_out_corpus, fresh_tmp_dir, install
 from nedolm.data.packing import (
     DROP_HARD_CONTINUATION,
     DROP_MESSAGE_TOO_LONG,
@@ -49,14 +55,8 @@ DROP_EXAMPLES = 20
 """Dropped records quoted per reason in the report (their messages start with ``file:line``)."""
 
 
-class SourceReport(msgspec.Struct, frozen=True):
-    """One input file's accounting: ``records == kept + sum(dropped.values())``."""
-
-    name: str
-    sha256: str
-    records: int
-    kept: int
-    dropped: dict[str, int]
+SourceReport = SourceEntry
+"""One input file's accounting, as the manifest's build block records it."""
 
 
 class BuildReport(msgspec.Struct, frozen=True):
@@ -107,6 +107,7 @@ def build_corpus(
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer_file = f"{TOKENIZER_DIR}/{tokenizer.name}"
     specials = build_special_tokens(tokenizer, tokenizer_file)
+    check_out_corpus(out, paths, specials.tokenizer.sha256, options.seq_len, options.overwrite)
     encoder = ChunkEncoder(tokenizer, specials, options.policy, options.seq_len)
 
     tmp = fresh_tmp_dir(out, SHARDS_DIR, TOKENIZER_DIR)
@@ -121,11 +122,7 @@ def build_corpus(
         result = verify_corpus(tmp, options.seq_len, content_sha256=digests, tokenizer=tokenizer)
         if result.problems:
             raise BuildError("the built corpus failed verification:\n" + "\n".join(result.problems))
-        build_block = {
-            "sources": [msgspec.to_builtins(s) for s in sources],
-            "content_sha256": digests,
-            "tokenizer_sha256": specials.tokenizer.sha256,
-        }
+        build_block = BuildProvenance(sources, digests, specials.tokenizer.sha256)
         manifest = manifest_document(result.files, validation_ids, build_block)
         write_contract(tmp, result.report, result.audit, manifest)
         identical = install(tmp, out, options.overwrite)
@@ -230,6 +227,11 @@ def _check_inputs(paths: Sequence[Path], options: BuildOptions) -> None:
     for path in paths:
         if not path.exists():
             raise BuildError(f"{path}: input file not found")
-        records = read_records(path, options.input_format, options.messages_field)
+        records = read_records(
+            path,
+            options.input_format,
+            options.messages_field,
+            max_line_bytes=options.max_line_bytes,
+        )
         if next(records, None) is None:
             raise BuildError(f"{path}: holds no records")

@@ -31,13 +31,14 @@ from nedolm.data.packing import document_drop_reason
 from nedolm.data.records import ROLE_NAMES, token_dtype
 from nedolm.data.render import ConversationLayout, message_segments
 from nedolm.data.sources import (
+    EMPTY_CONTENT,
     SPECIAL_TOKEN_IN_CONTENT,
     Conversation,
     RecordPolicy,
     Rejected,
     parse_record,
 )
-from nedolm.data.tokenizer import TextTokenizer, load_tokenizer
+from nedolm.data.tokenizer import TextTokenizer, content_forbidden_ids, load_tokenizer
 
 Lines = list[tuple[int, bytes | Rejected]]
 """(record number, record JSON or the reader's rejection) of one chunk of an input."""
@@ -67,7 +68,7 @@ class ChunkEncoder:
         self.policy = policy
         self.seq_len = seq_len
         self.layout = ConversationLayout.from_specials(specials)
-        self.forbidden = {specials.eos_id, specials.pad_id}
+        self.forbidden = content_forbidden_ids(tokenizer, specials)
         self.header_len = np.array([len(self.layout.headers[name]) for name in ROLE_NAMES])
         self.dtype = token_dtype(specials.vocab_size)
 
@@ -106,13 +107,9 @@ class ChunkEncoder:
     def _document(
         self, source_name: str, line: int, conv: Conversation, contents: list[list[int]]
     ) -> Encoded:
-        for i, content in enumerate(contents):
-            if not self.forbidden.isdisjoint(content):
-                return Rejected(
-                    SPECIAL_TOKEN_IN_CONTENT,
-                    f"{source_name}:{line}: messages[{i}] encodes to the EOS or pad id (text such"
-                    " as '</s>' that this tokenizer turns into a special token)",
-                )
+        rejected = content_rejection(f"{source_name}:{line}", contents, self.forbidden)
+        if rejected is not None:
+            return rejected
         roles = np.array([m.role for m in conv.messages], np.int64)
         content_len = np.array([len(c) for c in contents], np.int64)
         segments = message_segments(
@@ -134,6 +131,25 @@ class ChunkEncoder:
             content_lengths=content_len.astype("<u4"),
             content=np.fromiter(itertools.chain.from_iterable(contents), "<u4"),
         )
+
+
+def content_rejection(
+    where: str, contents: Sequence[Sequence[int]], forbidden: set[int]
+) -> Rejected | None:
+    """Content that encodes to no tokens is empty (an assistant message would train only its
+    end token); content holding a special id would smuggle a control token into the text."""
+    for i, content in enumerate(contents):
+        if not content:
+            return Rejected(EMPTY_CONTENT, f"{where}: messages[{i}]: content encodes to no tokens")
+        special = forbidden.intersection(content)
+        if special:
+            return Rejected(
+                SPECIAL_TOKEN_IN_CONTENT,
+                f"{where}: messages[{i}] encodes to the special id {min(special)} (typed text"
+                " such as '<s>', or characters the tokenizer cannot encode, which become its"
+                " special '<unk>')",
+            )
+    return None
 
 
 def encoded_chunks(
@@ -179,6 +195,7 @@ def _chunks(
             options.messages_field,
             on_progress=lambda n, before=done: on_bytes(before + n),
             name=names[source],
+            max_line_bytes=options.max_line_bytes,
         )
         while chunk := list(itertools.islice(records, options.chunk_records)):
             yield source, chunk

@@ -38,7 +38,14 @@ import msgspec
 
 from nedolm.data.hashing import file_sha256
 from nedolm.data.sharegpt import ShareGPTError, is_sharegpt_turns, to_openai
-from nedolm.data.sources import MISSING_MESSAGES, InputError, Rejected
+from nedolm.data.sources import (
+    MAX_LINE_BYTES,
+    MISSING_MESSAGES,
+    InputError,
+    Rejected,
+    bounded_lines,
+    oversized_rejection,
+)
 
 FORMATS = ("auto", "jsonl", "sharegpt", "parquet", "datasets")
 DEFAULT_MESSAGE_FIELDS = ("messages", "conversations")
@@ -124,12 +131,14 @@ def read_records(
     messages_field: str | None = None,
     on_progress: ProgressHook | None = None,
     name: str | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> Iterator[tuple[int, bytes | Rejected]]:
     """(record number, canonical JSON bytes or a rejection) of every record of one input.
 
     ``messages_field`` names the key (JSON lines) or column (Arrow) holding the turns, OpenAI
     or ShareGPT; by default ``messages``, then ``conversations`` (Alpaca records have neither).
     ``name`` names the input in rejections (default: the file name; see ``source_names``).
+    A JSON line longer than ``max_line_bytes`` is rejected without being read whole.
     """
     if input_format not in FORMATS:
         raise ValueError(f"input format must be one of {', '.join(FORMATS)}, not {input_format!r}")
@@ -147,24 +156,33 @@ def read_records(
         return _parquet_records(path, name, messages_field, hook)
     if input_format == "datasets":
         return _datasets_records(path, name, messages_field, hook)
-    return _jsonl_records(path, name, input_format == "sharegpt", messages_field, hook)
+    sharegpt = input_format == "sharegpt"
+    return _jsonl_records(path, name, sharegpt, messages_field, hook, max_line_bytes)
 
 
 # --- JSON lines --------------------------------------------------------------------------------
 
 
 def _jsonl_records(
-    path: Path, name: str, sharegpt: bool, field: str | None, hook: ProgressHook
+    path: Path,
+    name: str,
+    sharegpt: bool,
+    field: str | None,
+    hook: ProgressHook,
+    max_line_bytes: int,
 ) -> Iterator[tuple[int, bytes | Rejected]]:
     with path.open("rb") as raw:
-        lines = _decompressed(raw, path)
+        lines = bounded_lines(_decompressed(raw, path), max_line_bytes)
         line_no = 0
         try:
             for line_no, line in enumerate(lines, start=1):
-                if line_no == 1:
-                    line = line.removeprefix(b"\xef\xbb\xbf")
                 if line_no % _PROGRESS_EVERY == 0:
                     hook(raw.tell())
+                if rejected := oversized_rejection(line, f"{name}:{line_no}"):
+                    yield line_no, rejected
+                    continue
+                if line_no == 1:
+                    line = line.removeprefix(b"\xef\xbb\xbf")
                 if line.strip():
                     yield line_no, _jsonl_record(line, name, line_no, sharegpt, field)
         except (EOFError, OSError, zlib.error) as exc:

@@ -8,13 +8,16 @@ same corpus leaves ``out`` untouched; replacing a different one needs ``overwrit
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from nedolm.data.atomic import fsync_dir
 from nedolm.data.build_options import BuildError
-from nedolm.data.contract import SHARD_MANIFEST_FILE
+from nedolm.data.contract import PACKING_AUDIT_FILE, SHARD_MANIFEST_FILE
+from nedolm.data.inputs import input_sha256
 
 
 def check_out(out: Path) -> None:
@@ -23,6 +26,36 @@ def check_out(out: Path) -> None:
         raise BuildError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / SHARD_MANIFEST_FILE).exists():
         raise BuildError(f"{out}: exists, is not empty and holds no corpus; refusing to replace it")
+
+
+def check_out_corpus(
+    out: Path, inputs: Sequence[Path], tokenizer_sha256: str, seq_len: int, overwrite: bool
+) -> None:
+    """Refuse before the build an ``out`` whose corpus came from other inputs, another
+    tokenizer or another ``seq_len``: the rebuild could only be refused after all the work.
+    The same provenance may still differ in other options; ``install`` compares the bytes."""
+    if overwrite or not (out / SHARD_MANIFEST_FILE).is_file():
+        return
+    try:
+        build = json.loads((out / SHARD_MANIFEST_FILE).read_text(encoding="utf-8"))["build"]
+        audit = json.loads((out / PACKING_AUDIT_FILE).read_text(encoding="utf-8"))
+        recorded = ([s["sha256"] for s in build["sources"]], build["tokenizer_sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a readable corpus: the comparison after the build decides
+    differs = [
+        what
+        for what, same in (
+            ("inputs", recorded[0] == [input_sha256(p) for p in inputs]),
+            ("tokenizer", recorded[1] == tokenizer_sha256),
+            ("seq_len", audit.get("seq_len") == seq_len),
+        )
+        if not same
+    ]
+    if differs:
+        raise BuildError(
+            f"{out}: holds a different corpus; pass --overwrite to replace it "
+            f"({', '.join(differs)} differ)"
+        )
 
 
 def fresh_tmp_dir(out: Path, *subdirs: str) -> Path:

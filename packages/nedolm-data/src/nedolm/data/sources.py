@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
@@ -46,6 +46,8 @@ SPECIAL_TOKEN_IN_CONTENT = "special_token_in_content"
 DUPLICATE_RECORD = "duplicate_record"
 UNSUPPORTED_ROLE = "unsupported_role"
 INVALID_TOOL_CALL = "invalid_tool_call"
+LINE_TOO_LONG = "line_too_long"
+MAX_LINE_BYTES = 8 << 20
 
 _CONTROL_STRINGS = (MESSAGE_START_TOKEN, MESSAGE_END_TOKEN)
 _ROLE_CODES = {name: code for code, name in enumerate(ROLE_NAMES)}
@@ -108,23 +110,58 @@ def doc_key(source_name: str, record_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+def iter_lines(path: Path, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes) of every non-blank line; memory is one line.
 
     A UTF-8 byte order mark (common in exports from Windows tools) is skipped.
     """
     with Path(path).open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if line_no == 1:
+        for line_no, raw in enumerate(bounded_lines(f, max_bytes), start=1):
+            if line_no == 1 and not isinstance(raw, OversizedLine):
                 raw = raw.removeprefix(b"\xef\xbb\xbf")
             if raw.strip():
                 yield line_no, raw
+
+
+class OversizedLine(bytes):
+    """Stands for an input line longer than the limit, which is skipped, never held whole:
+    ``size`` is its length in bytes, ``limit`` the limit it broke."""
+
+    size: int
+    limit: int
+
+
+def bounded_lines(f: BinaryIO, max_bytes: int) -> Iterator[bytes]:
+    """The lines of ``f``, reading at most ``max_bytes + 1`` bytes of any line into memory;
+    a longer line comes as an ``OversizedLine`` after the rest of it was skipped."""
+    while raw := f.readline(max_bytes + 1):
+        if len(raw) <= max_bytes or raw.endswith(b"\n"):
+            yield raw
+            continue
+        size = len(raw)
+        while not raw.endswith(b"\n") and (raw := f.readline(1 << 20)):
+            size += len(raw)
+        line = OversizedLine(b"<oversized line>")
+        line.size, line.limit = size, max_bytes
+        yield line
+
+
+def oversized_rejection(raw: bytes, where: str) -> Rejected | None:
+    if not isinstance(raw, OversizedLine):
+        return None
+    return Rejected(
+        LINE_TOO_LONG,
+        f"{where}: the line holds {raw.size} bytes, more than the limit of {raw.limit} "
+        "(--max-line-bytes); drop such records with --invalid-records drop",
+    )
 
 
 def parse_record(
     raw: bytes, source_name: str, line_no: int, policy: RecordPolicy
 ) -> Conversation | Rejected:
     """One JSONL line → a conversation, or the first reason it cannot be one."""
+    if rejected := oversized_rejection(raw, f"{source_name}:{line_no}"):
+        return rejected
     try:
         return _parse(raw, source_name, line_no, policy)
     except _Reject as reject:
@@ -182,6 +219,7 @@ def _chat_messages(raw_messages: Any, policy: RecordPolicy) -> tuple[Message, ..
         mapped = role_name != item["role"]
         calls_ok = not tool_calls or policy.train_tool_calls
         trainable = role == ROLE_ASSISTANT and train and calls_ok and not mapped
+        trainable = trainable and message_weight(item, i)
         messages.append(Message(role=role, text=text, trainable=trainable))
     return tuple(messages)
 
@@ -192,11 +230,38 @@ def _alpaca_messages(record: dict[str, Any]) -> tuple[Message, ...]:
     if not isinstance(extra, str):
         raise _Reject(NON_STRING_CONTENT, "'input' must be a string")
     user = f"{instruction}\n\n{_content(extra, 'input')}" if extra.strip() else instruction
-    messages = [Message(ROLE_USER, user, False)]
+    messages = [*alpaca_history(record.get("history")), Message(ROLE_USER, user, False)]
     if record.get("system"):
         messages.insert(0, Message(ROLE_SYSTEM, _content(record["system"], "system"), False))
     messages.append(Message(ROLE_ASSISTANT, _content(record["output"], "output"), True))
     return tuple(messages)
+
+
+def message_weight(item: dict[str, Any], index: int) -> bool:
+    """OpenAI fine-tuning's per-message ``weight``: 0 makes the message context, 1 (or none)
+    leaves it as it is; anything else is refused rather than ignored."""
+    weight = item.get("weight", 1)
+    if weight not in (0, 1) or isinstance(weight, bool):
+        raise _Reject(
+            INVALID_MESSAGE, f"messages[{index}]: 'weight' must be 0 or 1, not {weight!r}"
+        )
+    return weight == 1
+
+
+def alpaca_history(history: Any) -> list[Message]:
+    """Alpaca's ``history`` ([[instruction, output], ...], oldest first) as the earlier user and
+    assistant turns; a malformed history is refused rather than ignored."""
+    if history is None:
+        return []
+    if not isinstance(history, list) or not all(
+        isinstance(turn, list) and len(turn) == 2 for turn in history
+    ):
+        raise _Reject(INVALID_MESSAGE, "'history' must be a list of [instruction, output] pairs")
+    turns = []
+    for i, (instruction, output) in enumerate(history):
+        turns.append(Message(ROLE_USER, _content(instruction, f"history[{i}][0]"), False))
+        turns.append(Message(ROLE_ASSISTANT, _content(output, f"history[{i}][1]"), True))
+    return turns
 
 
 def _content(value: Any, where: int | str, allow_empty: bool = False) -> str:

@@ -8,9 +8,10 @@ SentencePiece model
 strings NOT interpreted, so text typed by a user can never become a control id.
 
 One caveat the builder must still guard against: a ``tokenizers`` Unigram model whose vocabulary
-holds ``</s>`` as a normal piece can pick that piece for the literal text ``</s>`` even with
-special-token parsing off (SentencePiece never does). The builder therefore checks content ids
-against EOS and pad after encoding.
+holds ``<s>`` or ``</s>`` as a normal piece can pick that piece for the literal text even with
+special-token parsing off (SentencePiece never does), and unknown characters become ``<unk>``.
+The builder therefore checks content ids against ``content_forbidden_ids`` after encoding, and
+the verifier checks the binaries against the same set.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class TextTokenizer(ABC):
     @abstractmethod
     def token_to_id(self, token: str) -> int | None:
         """The id of ``token`` if it is one whole entry of the vocabulary, else None."""
+
+    @abstractmethod
+    def special_ids(self) -> set[int]:
+        """Every id the tokenizer marks special (BOS, EOS, pad, unk, control and added special
+        tokens): none may occur inside content (SPEC §2)."""
 
     @abstractmethod
     def pieces(self) -> list[str]:
@@ -146,6 +152,10 @@ class HFTokenizer(TextTokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def special_ids(self) -> set[int]:
+        added = self._tok.get_added_tokens_decoder()
+        return {i for i, token in added.items() if token.special} | {self.eos_id}
+
     def pieces(self) -> list[str]:
         return [self._tok.id_to_token(i) or "" for i in range(self.base_vocab_size)]
 
@@ -186,6 +196,14 @@ class SentencePieceTokenizer(TextTokenizer):
         token_id = self._sp.piece_to_id(token)  # unknown pieces map to the unk id
         return token_id if self._sp.id_to_piece(token_id) == token else None
 
+    def special_ids(self) -> set[int]:
+        sp = self._sp
+        return {
+            i
+            for i in range(self.base_vocab_size)
+            if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)
+        }
+
     def pieces(self) -> list[str]:
         return [self._sp.id_to_piece(i) for i in range(self.base_vocab_size)]
 
@@ -220,6 +238,17 @@ def copy_tokenizer_files(tokenizer: TextTokenizer, out_dir: Path) -> None:
     shutil.copyfile(tokenizer.path, out_dir / tokenizer.name)
     if tokenizer.config_path is not None:
         shutil.copyfile(tokenizer.config_path, out_dir / tokenizer.config_path.name)
+
+
+def content_forbidden_ids(tokenizer: TextTokenizer, specials: SpecialTokens) -> set[int]:
+    """Ids that must never occur inside message content: the tokenizer's special ids plus the
+    corpus's EOS, pad and control ids."""
+    return tokenizer.special_ids() | {
+        specials.eos_id,
+        specials.pad_id,
+        specials.message_start_id,
+        specials.message_end_id,
+    }
 
 
 def build_special_tokens(tokenizer: TextTokenizer, tokenizer_file: str) -> SpecialTokens:

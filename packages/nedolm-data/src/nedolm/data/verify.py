@@ -33,6 +33,7 @@ from nedolm.data.contract import (
     PackingAudit,
     ShardManifest,
     VerifyReport,
+    build_problems,
     control_registry_problem,
     entry_problems,
     hash_entries,
@@ -41,6 +42,7 @@ from nedolm.data.contract import (
     packing_audit_document,
     read_contract,
     role_registry_problem,
+    shard_files_on_disk,
     typed,
 )
 from nedolm.data.format import (
@@ -57,7 +59,12 @@ from nedolm.data.packing import PackingCounts, PackingError, plan_shard
 from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN, ROLE_NAMES
 from nedolm.data.roles import RoleAudit, audit_roles, role_totals
 from nedolm.data.schema import VERIFY_SCHEMA
-from nedolm.data.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
+from nedolm.data.tokenizer import (
+    TextTokenizer,
+    TokenizerError,
+    content_forbidden_ids,
+    load_tokenizer,
+)
 
 
 @dataclass
@@ -79,10 +86,16 @@ class ShardFacts:
         self.failed.setdefault(check, []).append(problem)
 
 
-def check_shard(shard: Shard, specials: SpecialTokens, seq_len: int) -> ShardFacts:
-    """Recompute one shard's facts from its three files (vectorised, no per-token Python)."""
+def check_shard(
+    shard: Shard, specials: SpecialTokens, seq_len: int, forbidden: set[int]
+) -> ShardFacts:
+    """Recompute one shard's facts from its three files (vectorised, no per-token Python).
+
+    Every problem names the one of the three files at fault; ``forbidden`` holds the ids that
+    must not occur inside content (the tokenizer's special ids and the corpus's).
+    """
     facts = ShardFacts()
-    name = shard.token_path.name.replace(".tokens.bin", "")
+    t_name, s_name = shard.token_path.name, shard.segments_path.name
     try:  # local maps, released on return: memory stays one shard whatever the corpus size
         tokens = read_array(shard.token_path, "tokens")
         segments = read_array(shard.segments_path, "segments")
@@ -95,41 +108,46 @@ def check_shard(shard: Shard, specials: SpecialTokens, seq_len: int) -> ShardFac
     facts.doc_keys = np.array(index["doc_key"])
     if len(tokens):
         facts.max_token_id = int(tokens.max())
-    layout = _check_offsets(name, tokens, segments, index, facts)
-    _check_token_range(name, tokens, specials, facts)
-    _check_roles_and_targets(name, segments, facts)
+    layout, at_fault = _check_offsets(shard, tokens, segments, index, facts)
+    _check_token_range(t_name, tokens, specials, facts)
+    _check_roles_and_targets(s_name, segments, facts)
     if layout is None:
-        for check in ("structural_control_counts_verified", "header_schema_verified"):
-            facts.fail(check, f"{name}: not checked, the offsets are broken")
-        facts.fail("content_tokens_exact_vs_source", f"{name}: not checked, the offsets are broken")
+        for check in (
+            "structural_control_counts_verified",
+            "header_schema_verified",
+            "content_tokens_exact_vs_source",
+        ):
+            facts.fail(check, f"{at_fault}: not checked, the offsets are broken")
         return facts
-    _check_every_document_has_a_target(name, segments, index, facts)
-    _check_controls(name, tokens, segments, index, layout, specials, facts)
-    _check_headers(name, tokens, segments, layout, specials, facts)
-    facts.content_sha256 = _content_digest(tokens, segments, layout)
+    _check_every_document_has_a_target(s_name, segments, index, facts)
+    _check_controls(t_name, tokens, segments, index, layout, specials, facts)
+    _check_headers(shard, tokens, segments, layout, specials, facts)
+    positions, lengths = _content_positions(segments, layout)
+    _check_no_special_in_content(t_name, tokens[positions], forbidden, facts)
+    facts.content_sha256 = _content_digest(lengths, tokens[positions])
     try:
         facts.counts = plan_shard(index, segments, seq_len).counts
     except PackingError as exc:
-        facts.fail("packing_plan_verified", f"{name}: the planner refuses the shard: {exc}")
+        facts.fail("packing_plan_verified", f"{s_name}: the planner refuses the shard: {exc}")
     return facts
 
 
 def _check_offsets(
-    name: str, tokens: np.ndarray, segments: np.ndarray, index: np.ndarray, facts: ShardFacts
-) -> np.ndarray | None:
-    """Index and segment offsets contiguous and exact; returns absolute message starts."""
+    shard: Shard, tokens: np.ndarray, segments: np.ndarray, index: np.ndarray, facts: ShardFacts
+) -> tuple[np.ndarray | None, str]:
+    """Index and segment offsets contiguous and exact: the absolute message starts (None when
+    broken) and the file at fault."""
     key = "offsets_lengths_exact"
+    t_name, s_name, name = (p.name for p in shard.paths)
     token_len = index["token_len"].astype(np.int64)
     seg_count = index["segment_count"].astype(np.int64)
     expected_start = np.cumsum(token_len) - token_len
     expected_seg = np.cumsum(seg_count) - seg_count
     bad = []
     if int(token_len.sum()) != len(tokens):
-        bad.append(f"documents hold {int(token_len.sum())} tokens, the tokens file {len(tokens)}")
+        bad.append(f"documents hold {int(token_len.sum())} tokens, {t_name} {len(tokens)}")
     if int(seg_count.sum()) != len(segments):
-        bad.append(
-            f"documents hold {int(seg_count.sum())} messages, the segments file {len(segments)}"
-        )
+        bad.append(f"documents hold {int(seg_count.sum())} messages, {s_name} {len(segments)}")
     for field_name, expected in (("token_start", expected_start), ("segment_start", expected_seg)):
         wrong = index[field_name].astype(np.int64) != expected
         if wrong.any():
@@ -139,7 +157,8 @@ def _check_offsets(
     if bad:
         for problem in bad:
             facts.fail(key, f"{name}: {problem}")
-        return None
+        return None, name
+    name = s_name  # the index is consistent: what follows is the segments' fault
     length = segments["length"].astype(np.int64)
     header_len = segments["header_len"].astype(np.int64)
     ends = np.cumsum(length)
@@ -148,19 +167,19 @@ def _check_offsets(
     if wrong.any():
         doc = int(np.searchsorted(np.cumsum(seg_count), _first(wrong), side="right"))
         facts.fail(key, f"{name}: messages not contiguous in document {doc}")
-        return None
+        return None, name
     last = expected_seg + seg_count - 1
     doc_end = within[last] + length[last]
     if not np.array_equal(doc_end + 1, token_len):
         facts.fail(
             key, f"{name}: messages + EOS do not fill document {_first(doc_end + 1 != token_len)}"
         )
-        return None
+        return None, name
     too_short = (header_len < 1) | (length < header_len + 1)
     if too_short.any():
         facts.fail(key, f"{name}: message {_first(too_short)} is shorter than header + end token")
-        return None
-    return np.repeat(expected_start, seg_count) + within
+        return None, name
+    return np.repeat(expected_start, seg_count) + within, name
 
 
 def _check_token_range(
@@ -178,6 +197,20 @@ def _check_token_range(
             f"{name}: the pad id {specials.pad_id} occurs {pads} times inside documents",
         )
 
+
+_CHECK_ORDER = [
+    "offsets_lengths_exact",
+    "header_schema_verified",
+    "structural_control_counts_verified",
+    "assistant_only_trainable_contract_verified",
+    "token_id_range_verified",
+    "turkish_user_header_verified",
+    "global_doc_keys_unique",
+    "packing_plan_verified",
+    "content_tokens_exact_vs_source",
+]
+"""Problems are listed cause first: a broken layout before what it breaks downstream (the
+content digest, which any layout fault changes too, comes last)."""
 
 _ROLE_RULE_CHECKS = {
     "unknown_role": "header_schema_verified",
@@ -236,7 +269,7 @@ def _check_controls(
 
 
 def _check_headers(
-    name: str,
+    shard: Shard,
     tokens: np.ndarray,
     segments: np.ndarray,
     starts: np.ndarray,
@@ -244,6 +277,7 @@ def _check_headers(
     facts: ShardFacts,
 ) -> None:
     role, header_len = segments["role"], segments["header_len"].astype(np.int64)
+    t_name, s_name = shard.token_path.name, shard.segments_path.name
     for code, role_name in enumerate(ROLE_NAMES):
         header = np.asarray(specials.role_header_token_ids.get(role_name, []), np.int64)
         mask = role == code
@@ -252,18 +286,20 @@ def _check_headers(
         if (header_len[mask] != len(header) + 1).any():
             facts.fail(
                 "header_schema_verified",
-                f"{name}: a {role_name} message has header_len != {len(header) + 1}",
+                f"{s_name}: a {role_name} message has header_len != {len(header) + 1}",
             )
             continue
         got = tokens[starts[mask][:, None] + 1 + np.arange(len(header))]
         if not (got == header).all():
             facts.fail(
                 "header_schema_verified",
-                f"{name}: a {role_name} message's header tokens differ from the role header",
+                f"{t_name}: a {role_name} message's header tokens differ from the role header",
             )
 
 
-def _content_digest(tokens: np.ndarray, segments: np.ndarray, starts: np.ndarray) -> str:
+def _content_positions(segments: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Token positions of every message's content (between header and end token), and the
+    content length of each message."""
     header_len = segments["header_len"].astype(np.int64)
     lengths = segments["length"].astype(np.int64) - header_len - 1
     first = starts + header_len
@@ -271,8 +307,25 @@ def _content_digest(tokens: np.ndarray, segments: np.ndarray, starts: np.ndarray
     positions = (
         np.arange(int(lengths.sum())) - np.repeat(offsets, lengths) + np.repeat(first, lengths)
     )
+    return positions, lengths
+
+
+def _check_no_special_in_content(
+    name: str, content: np.ndarray, forbidden: set[int], facts: ShardFacts
+) -> None:
+    """SPEC §2: special tokens are disabled in content, so no special id may occur there."""
+    special = np.isin(content, np.fromiter(forbidden, np.int64))
+    if special.any():
+        facts.fail(
+            "structural_control_counts_verified",
+            f"{name}: special id {int(content[_first(special)])} inside message content "
+            f"({int(special.sum())} times)",
+        )
+
+
+def _content_digest(lengths: np.ndarray, content: np.ndarray) -> str:
     digest = ContentDigest()
-    digest.update(lengths, tokens[positions])
+    digest.update(lengths, content)
     return digest.hexdigest()
 
 
@@ -298,6 +351,7 @@ def verify_corpus(
     *,
     tokenizer: TextTokenizer | None = None,
     workers: int = 8,
+    verified_sha256: list[str] | None = None,
 ) -> VerifyResult:
     """Recompute the verify report, the packing audit and the file hashes of ``data_dir``.
 
@@ -308,6 +362,8 @@ def verify_corpus(
         tokenizer: the recorded tokenizer, already loaded (the builder's); by default the
             copy in ``data_dir`` is loaded to re-encode the role headers.
         workers: threads hashing files.
+        verified_sha256: the digests the verify report on disk records; a shard whose content
+            matches these but not ``content_sha256`` blames the manifest, not the shard.
     """
     data_dir = Path(data_dir)
     problems: list[str] = []
@@ -319,27 +375,43 @@ def verify_corpus(
     binaries = [p for s in shards for p in s.paths]
     with ThreadPoolExecutor(max_workers=1) as hasher:
         files_future = hasher.submit(hash_entries, data_dir, binaries, workers)
-        per_shard = [check_shard(s, specials, seq_len) for s in shards]
+        tokenizer, tokenizer_problem = _recorded_tokenizer(data_dir, specials, tokenizer)
+        forbidden = (
+            content_forbidden_ids(tokenizer, specials)
+            if tokenizer is not None
+            else {
+                specials.eos_id,
+                specials.pad_id,
+                specials.message_start_id,
+                specials.message_end_id,
+            }
+        )
+        per_shard = [check_shard(s, specials, seq_len, forbidden) for s in shards]
         files = files_future.result()
 
     failed: dict[str, list[str]] = {}
     for facts in per_shard:
         for key, messages in facts.failed.items():
             failed.setdefault(key, []).extend(messages)
-    _check_special_tokens(data_dir, specials, tokenizer, failed)
-    keys = np.concatenate([f.doc_keys for f in per_shard])
-    if len(np.unique(keys)) != len(keys):
-        failed.setdefault("global_doc_keys_unique", []).append(
-            f"{len(keys) - len(np.unique(keys))} duplicate document keys"
-        )
+    _check_special_tokens(specials, tokenizer, tokenizer_problem, failed)
+    _check_doc_keys_unique(shards, [f.doc_keys for f in per_shard], failed)
     recomputed = [f.content_sha256 for f in per_shard]
     if content_sha256 is None:
         failed.setdefault("content_tokens_exact_vs_source", []).append(
             "no build-time content digests to compare with"
         )
     else:
-        for shard, expected, got in zip(shards, content_sha256, recomputed, strict=False):
-            if got and expected != got:  # no digest: the shard was not readable or laid out
+        for i, (shard, expected, got) in enumerate(
+            zip(shards, content_sha256, recomputed, strict=False)
+        ):
+            if not got or expected == got:  # no digest: the shard was not readable or laid out
+                continue
+            if verified_sha256 is not None and verified_sha256[i : i + 1] == [got]:
+                problems.append(
+                    f"{SHARD_MANIFEST_FILE}: build.content_sha256[{i}] differs from shard {i}'s "
+                    f"content digest, which {VERIFY_REPORT_FILE} records"
+                )
+            else:
                 failed.setdefault("content_tokens_exact_vs_source", []).append(
                     f"{shard.token_path.name}: content tokens differ from the tokenizer output recorded at build"
                 )
@@ -354,8 +426,8 @@ def verify_corpus(
         failed.setdefault("packing_plan_verified", []).append(
             f"{total.hard_continuations} hard continuations"
         )
-    for key, messages in sorted(failed.items()):
-        problems.extend(f"{key}: {m}" for m in messages)
+    for key in sorted(failed, key=_CHECK_ORDER.index):
+        problems.extend(f"{key}: {m}" for m in failed[key])
 
     roles = role_totals([f.roles for f in per_shard if f.roles is not None])
     report = VerifyReport(
@@ -382,6 +454,22 @@ def verify_corpus(
     return VerifyResult(report, audit, files, problems, complete)
 
 
+def _check_doc_keys_unique(
+    shards: list[Shard], keys: list[np.ndarray], failed: dict[str, list[str]]
+) -> None:
+    """Document keys are unique across the corpus; a repeat names the index file holding it."""
+    every = np.concatenate(keys)
+    unique, first = np.unique(every, return_index=True)
+    if len(unique) == len(every):
+        return
+    repeat = _first(np.isin(np.arange(len(every)), first, invert=True))
+    shard = int(np.searchsorted(np.cumsum([len(k) for k in keys]), repeat, side="right"))
+    failed.setdefault("global_doc_keys_unique", []).append(
+        f"{shards[shard].index_path.name}: {len(every) - len(unique)} duplicate document keys "
+        f"(first: doc_key {int(every[repeat])})"
+    )
+
+
 _TOKENIZERS: dict[str, TextTokenizer] = {}
 
 
@@ -393,10 +481,26 @@ def _load_tokenizer(path: Path, sha256: str) -> TextTokenizer:
     return _TOKENIZERS[sha256]
 
 
+def _recorded_tokenizer(
+    data_dir: Path, specials: SpecialTokens, tokenizer: TextTokenizer | None
+) -> tuple[TextTokenizer | None, str | None]:
+    """The tokenizer copy SPECIAL_TOKENS.json records (``tokenizer`` if given), or why not."""
+    copy = data_dir / specials.tokenizer.file
+    try:
+        digest = file_sha256(copy)
+        if digest != specials.tokenizer.sha256:
+            raise TokenizerError(
+                f"{copy}: sha256 differs from the one recorded in {SPECIAL_TOKENS_FILE}"
+            )
+        return tokenizer or _load_tokenizer(copy, digest), None
+    except (OSError, TokenizerError) as exc:
+        return None, str(exc)
+
+
 def _check_special_tokens(
-    data_dir: Path,
     specials: SpecialTokens,
     tokenizer: TextTokenizer | None,
+    tokenizer_problem: str | None,
     failed: dict[str, list[str]],
 ) -> None:
     """The registry is the SPEC's, and its header ids are what the recorded tokenizer encodes."""
@@ -413,20 +517,12 @@ def _check_special_tokens(
     if problem:
         failed.setdefault("turkish_user_header_verified", []).append(f"{where} {problem}")
         return
-    copy = data_dir / specials.tokenizer.file
-    try:
-        digest = file_sha256(copy)
-        if digest != specials.tokenizer.sha256:
-            raise TokenizerError(
-                f"{copy}: sha256 differs from the one recorded in {SPECIAL_TOKENS_FILE}"
-            )
-        tokenizer = tokenizer or _load_tokenizer(copy, digest)
-        encoded = tokenizer.encode_batch([f"{w}\n" for w in specials.roles.values()])
-    except (OSError, TokenizerError) as exc:
+    if tokenizer is None:
         failed.setdefault("turkish_user_header_verified", []).append(
-            f"cannot re-encode the role headers: {exc}"
+            f"cannot re-encode the role headers: {tokenizer_problem}"
         )
         return
+    encoded = tokenizer.encode_batch([f"{w}\n" for w in specials.roles.values()])
     for role, ids in zip(specials.roles, encoded, strict=True):
         if specials.role_header_token_ids.get(role) != ids:
             failed.setdefault("turkish_user_header_verified", []).append(
@@ -438,37 +534,49 @@ def check_corpus(data_dir: Path, *, workers: int = 8) -> list[str]:
     """Re-verify an existing DATA_DIR: recompute everything and compare with the files on disk.
 
     Returns every problem found (empty: the corpus is exactly what its contract files claim),
-    each naming the shard file or contract file and the key that differs.
+    each naming the file at fault: the manifest's own claims first, then what the binaries
+    say, then contract values that differ from the recomputation (only when the binaries are
+    sound: otherwise those differences are consequences, not a second fault).
     """
     data_dir = Path(data_dir)
     try:
         docs = read_contract(data_dir)
         manifest = typed(data_dir / SHARD_MANIFEST_FILE, docs[SHARD_MANIFEST_FILE], ShardManifest)
-    except DatasetContractError as exc:
+        specials = read_special_tokens(data_dir)
+    except (DatasetContractError, ShardFormatError) as exc:
         return [str(exc)]
     audit = docs[PACKING_AUDIT_FILE]
     seq_len = audit.get("seq_len")
     if not isinstance(seq_len, int) or seq_len < 1:
         return [f"{PACKING_AUDIT_FILE}: seq_len {seq_len!r} is not a positive integer"]
-    digests = manifest.build.get("content_sha256")
+    verified = docs[VERIFY_REPORT_FILE].get("content_sha256")
     result = verify_corpus(
-        data_dir, seq_len, digests if isinstance(digests, list) else None, workers=workers
+        data_dir,
+        seq_len,
+        manifest.build.content_sha256,
+        workers=workers,
+        verified_sha256=verified if isinstance(verified, list) else None,
     )
-    problems = list(result.problems)
     if result.report is None or result.audit is None:
-        return problems
-    if docs[VERIFY_REPORT_FILE].get("special_tokens_sha256") != result.report.special_tokens_sha256:
-        problems.append(f"{SPECIAL_TOKENS_FILE}: changed since the corpus was verified")
-    if result.complete:  # totals over a partly unreadable corpus would only add noise
-        problems += _diff(VERIFY_REPORT_FILE, docs[VERIFY_REPORT_FILE], result.report)
-        problems += _diff(PACKING_AUDIT_FILE, audit, result.audit)
-    on_disk = [entry.path for entry in result.files]
+        listing = listing_problems(manifest.files, shard_files_on_disk(data_dir))
+        return [f"{SHARD_MANIFEST_FILE}: {claim}" for claim in listing] + result.problems
     claims = (
         manifest_problems(manifest)
-        + listing_problems(manifest.files, on_disk)
+        + listing_problems(manifest.files, [entry.path for entry in result.files])
         + entry_problems(manifest.files, result.files)
+        + build_problems(manifest.build, len(result.report.content_sha256), specials)
     )
-    return problems + [f"{SHARD_MANIFEST_FILE}: {claim}" for claim in claims]
+    problems = [f"{SHARD_MANIFEST_FILE}: {claim}" for claim in claims] + result.problems
+    if docs[VERIFY_REPORT_FILE].get("special_tokens_sha256") != result.report.special_tokens_sha256:
+        problems.insert(  # the binaries were checked against changed ids: report this first
+            0,
+            f"{SPECIAL_TOKENS_FILE}: changed since the corpus was verified (its sha256 differs "
+            f"from the one {VERIFY_REPORT_FILE} records)",
+        )
+    if result.complete and not result.problems:
+        problems += _diff(VERIFY_REPORT_FILE, docs[VERIFY_REPORT_FILE], result.report)
+        problems += _diff(PACKING_AUDIT_FILE, audit, result.audit)
+    return problems
 
 
 def _diff(file_name: str, on_disk: dict[str, Any], recomputed: msgspec.Struct) -> list[str]:

@@ -133,6 +133,9 @@ class ValidationConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     enabled: bool = True
     shard_ids: list[int] = msgspec.field(default_factory=lambda: [53])
     """Shard ids held out of training (the integer after the first '-' of the file name)."""
+    train_on_held_out: bool = False
+    """Train on the shards the corpus holds out (its manifest's ``validation_shard_ids``) when
+    they are not validated here. Off: those shards never train, whatever ``shard_ids`` says."""
     interval: int = 250
     batches: int = 8
     """Micro-batches per rank per validation pass."""

@@ -79,10 +79,21 @@ def execution_mode(
     }
 
 
-def split_train_val(shards: Sequence[Shard], val_ids: Sequence[int]) -> tuple[list, list]:
-    """Partition shards by id into (train, validation); every requested id must exist."""
+def split_train_val(
+    shards: Sequence[Shard],
+    val_ids: Sequence[int],
+    held_out: Sequence[int] = (),
+    *,
+    train_on_held_out: bool = False,
+) -> tuple[list, list]:
+    """Partition shards by id into (train, validation); every requested id must exist.
+
+    ``held_out`` are the shards the corpus holds out (its manifest's validation ids): they
+    never train, validated or not, unless ``train_on_held_out``.
+    """
     wanted = {int(x) for x in val_ids}
-    train = [sh for sh in shards if sh.shard_id not in wanted]
+    excluded = wanted if train_on_held_out else wanted | {int(x) for x in held_out}
+    train = [sh for sh in shards if sh.shard_id not in excluded]
     val = [sh for sh in shards if sh.shard_id in wanted]
     missing = sorted(wanted - {sh.shard_id for sh in val})
     if missing:

@@ -234,7 +234,12 @@ def _prepare_data(
     def plan() -> _Data:
         shards = discover_sft_shards(cfg.data_dir, seq_len)
         check_plan_matches_audit(corpus_stats(shards, seq_len), contract)
-        train, val = split_train_val(shards, _val_ids(cfg))
+        train, val = split_train_val(
+            shards,
+            _val_ids(cfg),
+            contract["validation_shard_ids"],
+            train_on_held_out=cfg.validation.train_on_held_out,
+        )
         val_stats = corpus_stats(val, seq_len) if val else None
         return _Data(contract, train, val, corpus_stats(train, seq_len), val_stats)
 
@@ -255,6 +260,12 @@ def _prepare_data(
         stats["raw_tokens"],
         100 * stats["valid_context_ratio"],
         100 * stats["assistant_target_ratio"],
+    )
+    log.info(
+        "shards: train %s, validate %s, held out by the corpus %s",
+        [s.shard_id for s in data.train_shards],
+        [s.shard_id for s in data.val_shards],
+        data.contract["validation_shard_ids"],
     )
     log.info("roles: %s", roles)
     if data.val_stats is not None:
