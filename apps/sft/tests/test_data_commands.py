@@ -165,3 +165,34 @@ def test_prepare_reads_parquet_and_trains_tool_calls_on_request(tmp_path):
         audit = json.loads((out / "PACKING_POLICY_ADAPTIVE_AUDIT.json").read_text())
         targets[bool(flag)] = audit["assistant_target_tokens"]
     assert targets[True] > targets[False]
+
+
+def test_prepare_and_stats_report_coverage_and_duplicates(tmp_path):
+    """tanai cannot encode some characters of the real data and drops its newlines: prepare's
+    table and stats name the counts per source; a copied input is all duplicates."""
+    again = tmp_path / "again.jsonl"
+    shutil.copyfile(INPUTS[0], again)
+    out, report_path = tmp_path / "corpus", tmp_path / "report.json"
+    tanai = FIXTURES / "tokenizer" / "tanai.tokenizer.json.gz"
+    args = ["--tokenizer", tanai, "--out", out, "--seq-len", 1024, "--shards", 2, "--no-progress"]
+    result = _run("prepare", *INPUTS, again, *args, "--dedup", "--report", report_path)
+    assert result.exit_code == 0, result.output
+    sources = json.loads(report_path.read_text(encoding="utf-8"))["sources"]
+    copy = sources[-1]
+    assert copy["kept"] == 0 and copy["duplicate_conversations"] == copy["dropped"].get(
+        "duplicate_conversation"
+    )
+    assert copy["records"] == sum(copy["dropped"].values())
+    unk = sum(s["unk_target_tokens"] for s in sources)
+    lost = sum(s["lost_characters"] for s in sources)
+    assert unk > 0 and lost > 0
+    for s in sources:  # the prepare table: one row per source with the three counts
+        row = f"{s['records']:>8}  {s['kept']:>8}  {s['unk_target_tokens']:>6}  {s['lost_characters']:>6}"
+        assert f"{s['name']}  " in result.output and row in result.output
+
+    stats = _run("stats", out)
+    assert stats.exit_code == 0
+    assert f"<unk> ids in targets: {unk} (" in stats.output
+    assert f"characters the tokenizer does not round-trip: {lost} (" in stats.output
+    dups = sum(s["duplicate_conversations"] for s in sources)
+    assert f"exact duplicate conversations: {dups} (" in stats.output

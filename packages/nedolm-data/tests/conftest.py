@@ -23,6 +23,12 @@ def tokenizer_json() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tanai(fixtures_dir: Path) -> Path:
+    """The tanai tokenizer.json: encodes a zero-width space to nothing and reads "<s>" as BOS."""
+    return fixtures_dir / "tokenizer" / "tanai.tokenizer.json.gz"
+
+
+@pytest.fixture(scope="session")
 def sentencepiece_model() -> Path:
     """The same mistral_v1 tokenizer as a SentencePiece model (gzipped; loads 10x faster)."""
     return FIXTURES / "tokenizer" / "mistral_v1.model.gz"

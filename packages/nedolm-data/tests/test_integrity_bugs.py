@@ -90,12 +90,6 @@ def test_build_block_is_rechecked(corpus, edit, needle):
 # Bug 4: content that encodes to zero tokens is empty content.
 
 
-@pytest.fixture(scope="session")
-def tanai(fixtures_dir):
-    """The tanai tokenizer.json: encodes a zero-width space to nothing and reads "<s>" as BOS."""
-    return fixtures_dir / "tokenizer" / "tanai.tokenizer.json.gz"
-
-
 def test_zero_token_content_is_empty(tmp_path, tanai):
     good = [("user", "Merhaba"), ("assistant", "Selam!")]
     path = _write_chats(
@@ -111,7 +105,7 @@ def test_zero_token_content_is_empty(tmp_path, tanai):
 # Bug 5: no id the tokenizer marks special inside content.
 
 
-@pytest.mark.parametrize("text", ["<s>", "a <s> b", "<unk>", "<pad>"])
+@pytest.mark.parametrize("text", ["<s>", "a <s> b", "</s>", "<pad>"])
 def test_special_token_text_never_becomes_a_special_id(tmp_path, tanai, text):
     path = _write_chats(
         tmp_path / "chats.jsonl",

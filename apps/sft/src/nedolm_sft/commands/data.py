@@ -17,7 +17,7 @@ from nedolm.data.inputs import FORMATS
 from nedolm.data.packing import discover_sft_shards
 from nedolm.data.sources import MAX_LINE_BYTES, InputError, RecordPolicy
 from nedolm.data.stats import corpus_stats, packing_quality
-from nedolm.data.summary import corpus_summary
+from nedolm.data.summary import REPORTED, corpus_summary
 from nedolm.data.tokenizer import TokenizerError
 from nedolm.data.verify import check_corpus
 
@@ -151,6 +151,11 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     show_default=True,
     help="Encoding processes; 1 encodes in-process (a tokenizer.json batch already uses every core).",
 )
+@click.option(
+    "--dedup",
+    is_flag=True,
+    help="Drop a conversation identical to an earlier one (tokens and targets); always counted.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an --out that holds a different corpus.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def prepare(
@@ -172,6 +177,7 @@ def prepare(
     report_path: Path | None,
     max_line_bytes: int,
     workers: int,
+    dedup: bool,
     overwrite: bool,
     progress: bool,
 ) -> None:
@@ -205,6 +211,7 @@ def prepare(
             workers=workers,
             max_line_bytes=max_line_bytes,
             overwrite=overwrite,
+            dedup=dedup,
         )
         started = time.perf_counter()
         report = build_corpus(inputs, tokenizer, out, options, progress=progress)
@@ -217,10 +224,17 @@ def prepare(
 
 def _echo_report(report: BuildReport, seconds: float) -> None:
     width = max(len(s.name) for s in report.sources)
-    click.echo(f"{'input':<{width}}  {'records':>8}  {'kept':>8}  dropped")
+    click.echo(
+        f"{'input':<{width}}  {'records':>8}  {'kept':>8}  {'unk':>6}  {'lost':>6}  {'dups':>6}"
+        "  dropped   (unk: <unk> ids in targets; lost: characters the tokenizer does not"
+        " round-trip; dups: exact duplicate conversations)"
+    )
     for s in report.sources:
         drops = ", ".join(f"{k} {v}" for k, v in s.dropped.items()) or "-"
-        click.echo(f"{s.name:<{width}}  {s.records:>8}  {s.kept:>8}  {drops}")
+        click.echo(
+            f"{s.name:<{width}}  {s.records:>8}  {s.kept:>8}  {s.unk_target_tokens:>6}"
+            f"  {s.lost_characters:>6}  {s.duplicate_conversations:>6}  {drops}"
+        )
     kept = sum(s.kept for s in report.sources)
     dropped = report.dropped
     reasons = ", ".join(f"{k} {v}" for k, v in dropped.items())
@@ -295,6 +309,17 @@ def stats(data_dir: Path, seq_len: int | None, as_json: bool) -> None:
     _echo_stats(result, seq_len)
 
 
+def _echo_reported(corpus: dict) -> None:
+    """The build's coverage and duplicate counts, in total and per source that has any."""
+    for key, label in REPORTED.items():
+        total = corpus["reported"][key]
+        if total is None:
+            click.echo(f"{label}: not recorded (corpus built before they were counted)")
+            continue
+        where = ", ".join(f"{s['name']} {s[key]}" for s in corpus["sources"] if s[key])
+        click.echo(f"{label}: {total}" + (f" ({where})" if where else ""))
+
+
 def _echo_stats(result: dict, seq_len: int) -> None:
     corpus, packing, quality = result["corpus"], result["packing"], result["packing_quality"]
     roles = ", ".join(f"{k} {v}" for k, v in corpus["messages_by_role"].items())
@@ -309,6 +334,7 @@ def _echo_stats(result: dict, seq_len: int) -> None:
         click.echo(
             f"input records {corpus['input_records']}, dropped: {drops}; validation shards {corpus['validation_shard_ids']}"
         )
+        _echo_reported(corpus)
     click.echo(
         "document tokens: "
         + "  ".join(f"{k} {v}" for k, v in corpus["document_tokens"]["histogram"].items())

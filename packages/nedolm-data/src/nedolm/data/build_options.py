@@ -32,6 +32,7 @@ class BuildOptions:
     chunk_records: int = 256
     max_line_bytes: int = MAX_LINE_BYTES  # a longer input line is a bad record, never read whole
     overwrite: bool = False  # replace an ``out`` that holds a different corpus
+    dedup: bool = False  # drop a conversation laid out exactly like an earlier one (always counted)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:

@@ -3,8 +3,8 @@
 ``build_corpus`` runs the stages: encode (``encode``: parse, tokenize, lay out documents with
 the renderer), write shards (``shards``), verify and write the contract, install (``install``).
 Records stream through in chunks, so memory is bounded by the chunk size and the number of
-chunks in flight, whatever the input size (plus one set of document keys, ~100 bytes per
-document, to refuse duplicates). Results are consumed in input order, so the output is
+chunks in flight, whatever the input size (plus two digests per document, ~200 bytes, to refuse
+repeated record ids and to count exact duplicate conversations). Results are consumed in input order, so the output is
 byte-identical for the same inputs and options, whatever the number of workers.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -37,7 +38,7 @@ from nedolm.data.packing import (
 )
 from nedolm.data.records import token_dtype
 from nedolm.data.shards import ShardSink
-from nedolm.data.sources import DUPLICATE_RECORD, InputError, Rejected
+from nedolm.data.sources import DUPLICATE_CONVERSATION, DUPLICATE_RECORD, InputError, Rejected
 from nedolm.data.tokenizer import (
     build_special_tokens,
     copy_tokenizer_files,
@@ -51,6 +52,8 @@ __all__ = ["BuildError", "BuildOptions", "BuildReport", "SourceReport", "build_c
 TOKENIZER_DIR = "tokenizer"
 PLANNER_DROPS = (DROP_NO_TARGET, DROP_MESSAGE_TOO_LONG, DROP_HARD_CONTINUATION)
 """Documents the plan cannot use: always dropped and counted, never an error (SPEC §2)."""
+NEVER_AN_ERROR = frozenset({*PLANNER_DROPS, DUPLICATE_CONVERSATION})
+"""Drop reasons that no policy turns into an error (``--dedup`` asks for the last one)."""
 DROP_EXAMPLES = 20
 """Dropped records quoted per reason in the report (their messages start with ``file:line``)."""
 
@@ -173,51 +176,90 @@ def _stream(
     progress: bool,
 ) -> _Streamed:
     names = source_names(paths)
-    records = [0] * len(paths)
-    kept = [0] * len(paths)
-    dropped: list[Counter[str]] = [Counter() for _ in paths]
+    tally = [_SourceTally() for _ in paths]
     examples: dict[str, list[str]] = {}
     role_codes: set[int] = set()
-    seen: dict[int, str] = {}
+    seen: dict[int, str] = {}  # record key -> where it was first kept
+    conversations: dict[int, str] = {}  # laid-out conversation digest -> where first kept
     total_bytes = sum(input_size(p) for p in paths)
     with tqdm(
         total=total_bytes, unit="B", unit_scale=True, disable=not progress, desc="prepare"
     ) as bar:
         chunks = encoded_chunks(paths, names, encoder, options, lambda n: bar.update(n - bar.n))
         for source, results in chunks:
+            counts = tally[source]
             for result in results:
-                records[source] += 1
-                if isinstance(result, EncodedDocument) and result.doc_key in seen:
-                    result = Rejected(
-                        DUPLICATE_RECORD,
-                        f"{names[source]}:{result.line}: same record id as {seen[result.doc_key]}",
-                    )
+                counts.records += 1
+                if isinstance(result, EncodedDocument):
+                    result = _unique(result, names[source], seen, conversations, counts, options)
                 if isinstance(result, Rejected):
-                    if result.reason not in PLANNER_DROPS and options.policy.stops_on(
+                    if result.reason not in NEVER_AN_ERROR and options.policy.stops_on(
                         result.reason
                     ):
                         raise InputError(result.message)
-                    dropped[source][result.reason] += 1
+                    counts.dropped[result.reason] += 1
                     quoted = examples.setdefault(result.reason, [])
                     if len(quoted) < DROP_EXAMPLES:
                         quoted.append(result.message)
                     continue
-                seen[result.doc_key] = f"{names[source]}:{result.line}"
+                where = f"{names[source]}:{result.line}"
+                seen[result.doc_key] = where
+                conversations.setdefault(result.conversation_key, where)
                 role_codes.update(result.segments["role"].tolist())
                 sink.add(result)
-                kept[source] += 1
-            bar.set_postfix(records=sum(records), refresh=False)
-    if not sum(kept):
-        raise BuildError(
-            "no document was kept; see the drop reasons: " + str(sum(dropped, Counter()))
-        )
-    sources = [
-        SourceReport(
-            name=n, sha256=input_sha256(p), records=r, kept=k, dropped=dict(sorted(d.items()))
-        )
-        for n, p, r, k, d in zip(names, paths, records, kept, dropped, strict=True)
-    ]
+                counts.kept += 1
+                counts.unk_target_tokens += result.unk_target_tokens
+                counts.lost_characters += result.lost_characters
+            bar.set_postfix(records=sum(t.records for t in tally), refresh=False)
+    if not any(t.kept for t in tally):
+        dropped = sum((t.dropped for t in tally), Counter())
+        raise BuildError(f"no document was kept; see the drop reasons: {dropped}")
+    sources = [t.entry(n, input_sha256(p)) for n, p, t in zip(names, paths, tally, strict=True)]
     return _Streamed(sources, role_codes, dict(sorted(examples.items())))
+
+
+@dataclass
+class _SourceTally:
+    records: int = 0
+    kept: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    unk_target_tokens: int = 0
+    lost_characters: int = 0
+    duplicate_conversations: int = 0
+
+    def entry(self, name: str, sha256: str) -> SourceReport:
+        return SourceReport(
+            name=name,
+            sha256=sha256,
+            records=self.records,
+            kept=self.kept,
+            dropped=dict(sorted(self.dropped.items())),
+            unk_target_tokens=self.unk_target_tokens,
+            lost_characters=self.lost_characters,
+            duplicate_conversations=self.duplicate_conversations,
+        )
+
+
+def _unique(
+    document: EncodedDocument,
+    name: str,
+    seen: dict[int, str],
+    conversations: dict[int, str],
+    counts: _SourceTally,
+    options: BuildOptions,
+) -> EncodedDocument | Rejected:
+    """The document, or why it repeats an earlier one: a record id seen before is refused (or
+    dropped), an identical conversation is counted and, under ``dedup``, dropped."""
+    where = f"{name}:{document.line}"
+    if document.doc_key in seen:
+        return Rejected(DUPLICATE_RECORD, f"{where}: same record id as {seen[document.doc_key]}")
+    first = conversations.get(document.conversation_key)
+    if first is None:
+        return document
+    counts.duplicate_conversations += 1
+    if options.dedup:
+        return Rejected(DUPLICATE_CONVERSATION, f"{where}: same conversation as {first}")
+    return document
 
 
 def _check_inputs(paths: Sequence[Path], options: BuildOptions) -> None:

@@ -74,6 +74,10 @@ class SourceEntry(msgspec.Struct, frozen=True):
     records: int
     kept: int
     dropped: dict[str, int]
+    # Reported, not claimed (None: the corpus was built before they were counted):
+    unk_target_tokens: int | None = None  # <unk> ids inside the kept records' targets
+    lost_characters: int | None = None  # content characters that encode → decode loses
+    duplicate_conversations: int | None = None  # records laid out exactly like an earlier one
 
 
 class BuildProvenance(msgspec.Struct, frozen=True):

@@ -11,12 +11,13 @@ so the corpus is the same whatever the number of workers. Reading records is ``i
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import multiprocessing
 import multiprocessing.pool
 import os
 import sys
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ class EncodedDocument:
     segments: np.ndarray
     content_lengths: np.ndarray  # <u4, one per message: digest input, straight from the encoder
     content: np.ndarray  # <u4, every message's content ids concatenated
+    conversation_key: int  # digest of the laid-out document: exact duplicates share it
+    unk_target_tokens: int  # <unk> ids inside trainable content
+    lost_characters: int  # content characters that encode → decode does not give back
 
 
 Encoded = EncodedDocument | Rejected
@@ -82,30 +86,38 @@ class ChunkEncoder:
             for line, raw in lines
         ]
 
-    def tokenize(self, parsed: Sequence[Conversation | Rejected]) -> list[list[int]]:
-        """Content ids of every message of the chunk's conversations (releases the GIL)."""
+    def tokenize(self, parsed: Sequence[Conversation | Rejected]) -> Tokenized:
+        """Content ids of every message of the chunk's conversations, and how many of each
+        message's characters the round trip loses (the tokenizer releases the GIL)."""
         texts = [m.text for c in parsed if isinstance(c, Conversation) for m in c.messages]
-        return self.tokenizer.encode_batch(texts)
+        ids = self.tokenizer.encode_batch(texts)
+        return Tokenized(ids, lost_characters(texts, self.tokenizer.decode_batch(ids)))
 
     def assemble(
         self,
         source_name: str,
         lines: Lines,
         parsed: Sequence[Conversation | Rejected],
-        ids: list[list[int]],
+        tokenized: Tokenized,
     ) -> list[Encoded]:
-        contents = iter(ids)
+        contents, lost = iter(tokenized.ids), iter(tokenized.lost)
         results: list[Encoded] = []
         for (line, _), record in zip(lines, parsed, strict=True):
             if isinstance(record, Rejected):
                 results.append(record)
             else:
                 messages = [next(contents) for _ in record.messages]
-                results.append(self._document(source_name, line, record, messages))
+                lost_here = sum(next(lost) for _ in record.messages)
+                results.append(self._document(source_name, line, record, messages, lost_here))
         return results
 
     def _document(
-        self, source_name: str, line: int, conv: Conversation, contents: list[list[int]]
+        self,
+        source_name: str,
+        line: int,
+        conv: Conversation,
+        contents: list[list[int]],
+        lost: int,
     ) -> Encoded:
         rejected = content_rejection(f"{source_name}:{line}", contents, self.forbidden)
         if rejected is not None:
@@ -122,15 +134,40 @@ class ChunkEncoder:
         reason = document_drop_reason(segments, self.seq_len)
         if reason is not None:
             return Rejected(reason, f"{source_name}:{line}: dropped ({reason})")
-        tokens = self.layout.document([ROLE_NAMES[m.role] for m in conv.messages], contents)
+        tokens = np.array(
+            self.layout.document([ROLE_NAMES[m.role] for m in conv.messages], contents), self.dtype
+        )
+        digest = hashlib.blake2b(tokens.tobytes(), digest_size=8)
+        digest.update(segments.tobytes())  # the same tokens trained differently differ
+        unk = self.tokenizer.unk_id
         return EncodedDocument(
             line=line,
             doc_key=conv.doc_key,
-            tokens=np.array(tokens, self.dtype),
+            tokens=tokens,
             segments=segments,
             content_lengths=content_len.astype("<u4"),
             content=np.fromiter(itertools.chain.from_iterable(contents), "<u4"),
+            conversation_key=int.from_bytes(digest.digest(), "little"),
+            unk_target_tokens=sum(
+                c.count(unk) for c, m in zip(contents, conv.messages, strict=True) if m.trainable
+            ),
+            lost_characters=lost,
         )
+
+
+@dataclass
+class Tokenized:
+    ids: list[list[int]]  # content ids per message
+    lost: list[int]  # per message: characters the encode → decode round trip loses
+
+
+def lost_characters(texts: Sequence[str], decoded: Sequence[str]) -> list[int]:
+    """Per text, the characters missing from its decoding, counted as a multiset: a dropped
+    newline or an unknown character counts 1, a reordering nothing."""
+    return [
+        0 if text == back else (Counter(text) - Counter(back)).total()
+        for text, back in zip(texts, decoded, strict=True)
+    ]
 
 
 def content_rejection(
@@ -146,8 +183,7 @@ def content_rejection(
             return Rejected(
                 SPECIAL_TOKEN_IN_CONTENT,
                 f"{where}: messages[{i}] encodes to the special id {min(special)} (typed text"
-                " such as '<s>', or characters the tokenizer cannot encode, which become its"
-                " special '<unk>')",
+                " such as '<s>' that this tokenizer reads as its special token)",
             )
     return None
 

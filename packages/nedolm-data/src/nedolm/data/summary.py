@@ -1,4 +1,5 @@
-"""What a corpus holds: counts, role mix, length histograms and the build's drop accounting.
+"""What a corpus holds: counts, role mix, length histograms, the build's drop accounting and what
+the build reported about the tokenizer's coverage and duplicates.
 
 This is the descriptive half of ``nedolm-sft stats``; the packing half (windows, ratios,
 baselines) comes from ``nedolm.data.stats``. Everything is read from the binaries and
@@ -71,4 +72,19 @@ def corpus_summary(data_dir: Path) -> dict[str, Any]:
         summary["input_records"] = sum(s.get("records", 0) for s in sources)
         summary["dropped"] = dict(sorted(dropped.items()))
         summary["sources"] = sources
+        summary["reported"] = {key: _total(sources, key) for key in REPORTED}
     return summary
+
+
+REPORTED = {
+    "unk_target_tokens": "<unk> ids in targets",
+    "lost_characters": "characters the tokenizer does not round-trip",
+    "duplicate_conversations": "exact duplicate conversations",
+}
+"""Per-source counts the builder reports (``contract.SourceEntry``), summed by ``stats``."""
+
+
+def _total(sources: list[dict[str, Any]], key: str) -> int | None:
+    """The sum over sources; None when a source predates the count."""
+    values = [source.get(key) for source in sources]
+    return None if any(v is None for v in values) else sum(values)

@@ -9,9 +9,10 @@ strings NOT interpreted, so text typed by a user can never become a control id.
 
 One caveat the builder must still guard against: a ``tokenizers`` Unigram model whose vocabulary
 holds ``<s>`` or ``</s>`` as a normal piece can pick that piece for the literal text even with
-special-token parsing off (SentencePiece never does), and unknown characters become ``<unk>``.
-The builder therefore checks content ids against ``content_forbidden_ids`` after encoding, and
-the verifier checks the binaries against the same set.
+special-token parsing off (SentencePiece never does). The builder therefore checks content ids
+against ``content_forbidden_ids`` after encoding, and the verifier checks the binaries against the
+same set. Characters outside the vocabulary become ``<unk>``: a coverage gap of the tokenizer,
+not a control token, so the builder counts them per source instead of refusing the record.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class TextTokenizer(ABC):
     base_vocab_size: int
     eos_id: int
     pad_id: int | None  # the tokenizer's own pad id, if it has one
+    unk_id: int | None  # stands for characters outside the vocabulary, if the model has one
     config_path: Path | None = None  # the tokenizer_config.json EOS was read from
 
     @abstractmethod
@@ -74,13 +76,17 @@ class TextTokenizer(ABC):
         """Text of ``ids`` (special ids rendered as their strings)."""
 
     @abstractmethod
+    def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """``decode`` of each id list (releases the GIL, like ``encode_batch``)."""
+
+    @abstractmethod
     def token_to_id(self, token: str) -> int | None:
         """The id of ``token`` if it is one whole entry of the vocabulary, else None."""
 
     @abstractmethod
     def special_ids(self) -> set[int]:
-        """Every id the tokenizer marks special (BOS, EOS, pad, unk, control and added special
-        tokens): none may occur inside content (SPEC §2)."""
+        """Every id the tokenizer marks special: BOS, EOS, pad, unk, control and added special
+        tokens."""
 
     @abstractmethod
     def pieces(self) -> list[str]:
@@ -109,9 +115,11 @@ class HFTokenizer(TextTokenizer):
             ) from exc
         self.path = Path(path)
         try:
-            self._tok = Tokenizer.from_str(read_tokenizer_bytes(self.path).decode("utf-8"))
+            text = read_tokenizer_bytes(self.path).decode("utf-8")
+            self._tok = Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
             raise TokenizerError(f"{path}: not a loadable tokenizer.json: {exc}") from exc
+        self.unk_id = self._model_unk_id(json.loads(text).get("model") or {})
         self._tok.encode_special_tokens = True  # typed "</s>" is text, not a control token
         self.base_vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.config_path = self.path.with_name(HF_TOKENIZER_CONFIG)
@@ -123,6 +131,13 @@ class HFTokenizer(TextTokenizer):
             raise TokenizerError(f"{path}: no end-of-sequence token among {_EOS_CANDIDATES}")
         self.eos_id = eos
         self.pad_id = _first_id(self._tok.token_to_id, _PAD_CANDIDATES)
+
+    def _model_unk_id(self, model: dict) -> int | None:
+        """Unigram models name their unk by id, BPE and WordPiece by token (None: no unk)."""
+        if isinstance(model.get("unk_id"), int):
+            return model["unk_id"]
+        token = model.get("unk_token")
+        return self._tok.token_to_id(token) if isinstance(token, str) else None
 
     def _configured_eos(self) -> int | None:
         """The id of tokenizer_config.json's ``eos_token`` (None when it names none)."""
@@ -151,6 +166,9 @@ class HFTokenizer(TextTokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        return self._tok.decode_batch([list(i) for i in ids], skip_special_tokens=False)
 
     def special_ids(self) -> set[int]:
         added = self._tok.get_added_tokens_decoder()
@@ -185,12 +203,16 @@ class SentencePieceTokenizer(TextTokenizer):
             raise TokenizerError(f"{path}: the SentencePiece model defines no EOS id")
         self.eos_id = self._sp.eos_id()
         self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+        self.unk_id = self._sp.unk_id() if self._sp.unk_id() >= 0 else None
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._sp.encode(list(texts), out_type=int)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
+
+    def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        return self._sp.decode([list(i) for i in ids])
 
     def token_to_id(self, token: str) -> int | None:
         token_id = self._sp.piece_to_id(token)  # unknown pieces map to the unk id
@@ -241,9 +263,10 @@ def copy_tokenizer_files(tokenizer: TextTokenizer, out_dir: Path) -> None:
 
 
 def content_forbidden_ids(tokenizer: TextTokenizer, specials: SpecialTokens) -> set[int]:
-    """Ids that must never occur inside message content: the tokenizer's special ids plus the
-    corpus's EOS, pad and control ids."""
-    return tokenizer.special_ids() | {
+    """Ids that must never occur inside message content: the tokenizer's special ids (but
+    ``<unk>``, which only stands for characters it cannot encode) plus the corpus's EOS, pad
+    and control ids."""
+    return (tokenizer.special_ids() - {tokenizer.unk_id}) | {
         specials.eos_id,
         specials.pad_id,
         specials.message_start_id,
