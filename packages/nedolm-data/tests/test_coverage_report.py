@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from nedolm.data.builder import BuildOptions, build_corpus
+from nedolm.data.sources import InputError, RecordPolicy
 from nedolm.data.summary import corpus_summary
 from nedolm.data.verify import check_corpus
 
@@ -131,3 +132,23 @@ def test_typed_unk_is_counted_not_refused(tmp_path, tanai, reference):
     report = build_corpus([path], tanai, tmp_path / "out", BuildOptions(seq_len=64))
     assert report.sources[0].kept == 2
     assert report.sources[0].unk_target_tokens == _expected(reference, [conv])[0] > 0
+
+
+def test_records_with_unknown_tokens_can_be_dropped_or_refused(tmp_path, tanai, reference):
+    path = _write(tmp_path / "chats.jsonl", PLAIN, LINES, CODE)
+    tok, unk = reference
+    with_unk = [
+        conv
+        for conv in (PLAIN, LINES, CODE)
+        if any(unk in tok.encode(c, add_special_tokens=False).ids for _, c in conv)
+    ]
+    assert with_unk == [CODE]
+
+    drop = BuildOptions(seq_len=64, policy=RecordPolicy(unknown_tokens="drop"))
+    report = build_corpus([path], tanai, tmp_path / "out", drop)
+    assert report.sources[0].dropped == {"unknown_token": 1}
+    assert report.sources[0].unk_target_tokens == 0 and report.documents == 2
+
+    refuse = BuildOptions(seq_len=64, policy=RecordPolicy(unknown_tokens="error"))
+    with pytest.raises(InputError, match=r"chats\.jsonl:3: messages\[0\] holds 2 <unk> ids"):
+        build_corpus([path], tanai, tmp_path / "refused", refuse)

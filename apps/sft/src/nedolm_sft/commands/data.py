@@ -152,6 +152,14 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     help="Encoding processes; 1 encodes in-process (a tokenizer.json batch already uses every core).",
 )
 @click.option(
+    "--unknown-tokens",
+    type=click.Choice(["keep", "drop", "error"]),
+    default="keep",
+    show_default=True,
+    help="Content with <unk> ids (characters outside the vocabulary): keep and count them"
+    " (the report's unk column), drop the record, or stop.",
+)
+@click.option(
     "--dedup",
     is_flag=True,
     help="Drop a conversation identical to an earlier one (tokens and targets); always counted.",
@@ -177,6 +185,7 @@ def prepare(
     report_path: Path | None,
     max_line_bytes: int,
     workers: int,
+    unknown_tokens: str,
     dedup: bool,
     overwrite: bool,
     progress: bool,
@@ -205,6 +214,7 @@ def prepare(
                 unsupported_roles=_BAD_RECORD.get(on_bad_record, unsupported_roles),
                 role_map=_role_map(map_role),
                 train_tool_calls=train_tool_calls,
+                unknown_tokens=unknown_tokens,
             ),
             input_format=input_format,
             messages_field=messages_field,

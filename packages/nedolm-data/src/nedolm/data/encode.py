@@ -34,6 +34,7 @@ from nedolm.data.render import ConversationLayout, message_segments
 from nedolm.data.sources import (
     EMPTY_CONTENT,
     SPECIAL_TOKEN_IN_CONTENT,
+    UNKNOWN_TOKEN,
     Conversation,
     RecordPolicy,
     Rejected,
@@ -119,7 +120,10 @@ class ChunkEncoder:
         contents: list[list[int]],
         lost: int,
     ) -> Encoded:
-        rejected = content_rejection(f"{source_name}:{line}", contents, self.forbidden)
+        where = f"{source_name}:{line}"
+        rejected = content_rejection(where, contents, self.forbidden) or self._unknown(
+            where, contents
+        )
         if rejected is not None:
             return rejected
         roles = np.array([m.role for m in conv.messages], np.int64)
@@ -153,6 +157,20 @@ class ChunkEncoder:
             ),
             lost_characters=lost,
         )
+
+    def _unknown(self, where: str, contents: list[list[int]]) -> Rejected | None:
+        """Content holding ``<unk>`` ids, unless the policy keeps (and counts) them."""
+        unk = self.tokenizer.unk_id
+        if self.policy.unknown_tokens == "keep" or unk is None:
+            return None
+        for i, content in enumerate(contents):
+            if unk in content:
+                return Rejected(
+                    UNKNOWN_TOKEN,
+                    f"{where}: messages[{i}] holds {content.count(unk)} <unk> ids (characters"
+                    " outside the tokenizer's vocabulary); --unknown-tokens keep counts them",
+                )
+        return None
 
 
 @dataclass

@@ -45,6 +45,7 @@ CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
 SPECIAL_TOKEN_IN_CONTENT = "special_token_in_content"
 DUPLICATE_RECORD = "duplicate_record"
 DUPLICATE_CONVERSATION = "duplicate_conversation"
+UNKNOWN_TOKEN = "unknown_token"
 UNSUPPORTED_ROLE = "unsupported_role"
 INVALID_TOOL_CALL = "invalid_tool_call"
 LINE_TOO_LONG = "line_too_long"
@@ -66,18 +67,23 @@ class RecordPolicy:
     unsupported_roles: str = "error"  # "error" | "drop": a role outside system/user/assistant
     role_map: dict[str, str] = field(default_factory=dict)  # e.g. {"tool": "user"}; context only
     train_tool_calls: bool = False  # assistant messages with tool_calls become targets
+    unknown_tokens: str = "keep"  # "keep" (counted) | "drop" | "error": content with <unk> ids
 
     def __post_init__(self) -> None:
         for name in ("invalid_records", "unsupported_roles"):
             if getattr(self, name) not in ("error", "drop"):
                 raise ValueError(f"{name} must be 'error' or 'drop', not {getattr(self, name)!r}")
+        if self.unknown_tokens not in ("keep", "drop", "error"):
+            raise ValueError(
+                f"unknown_tokens must be 'keep', 'drop' or 'error', not {self.unknown_tokens!r}"
+            )
         for source, target in self.role_map.items():
             if target not in _ROLE_CODES:
                 raise ValueError(f"role map {source}={target}: target must be one of {ROLE_NAMES}")
 
     def stops_on(self, reason: str) -> bool:
-        policy = self.unsupported_roles if reason == UNSUPPORTED_ROLE else self.invalid_records
-        return policy == "error"
+        policy = {UNSUPPORTED_ROLE: self.unsupported_roles, UNKNOWN_TOKEN: self.unknown_tokens}
+        return policy.get(reason, self.invalid_records) == "error"
 
 
 @dataclass(frozen=True)
