@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,9 @@ def fixture_corpus(tmp_path_factory, tr_chat_inputs, tokenizer_json) -> Path:
         tr_chat_inputs, tokenizer_json, out, BuildOptions(seq_len=1024, shards=2, val_shards=(1,))
     )
     return out
+
+
+@pytest.fixture
+def corpus(fixture_corpus: Path, tmp_path: Path) -> Path:
+    """A private copy of ``fixture_corpus`` to edit or damage."""
+    return Path(shutil.copytree(fixture_corpus, tmp_path / "data"))

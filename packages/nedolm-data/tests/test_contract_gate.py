@@ -23,11 +23,6 @@ from nedolm.data.verify import check_corpus
 VOCAB, SEQ_LEN = 32003, 1024
 
 
-@pytest.fixture
-def corpus(tmp_path, fixture_corpus):
-    return shutil.copytree(fixture_corpus, tmp_path / "data")
-
-
 def _edit(path, edit):
     doc = json.loads(path.read_text(encoding="utf-8"))
     edit(doc)

@@ -31,11 +31,6 @@ from nedolm.data.verify import check_corpus
 MANIFEST = "SHARD_MANIFEST.json"
 
 
-@pytest.fixture
-def corpus(tmp_path, fixture_corpus):
-    return shutil.copytree(fixture_corpus, tmp_path / "data")
-
-
 def _edit_json(path, edit):
     doc = json.loads(path.read_text(encoding="utf-8"))
     edit(doc)

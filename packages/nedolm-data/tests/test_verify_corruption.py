@@ -16,12 +16,6 @@ from nedolm.data.verify import check_corpus, verify_corpus
 KINDS = ("tokens", "segments", "index")
 
 
-@pytest.fixture
-def corpus(tmp_path, fixture_corpus):
-    """A private copy of the fixture corpus to damage."""
-    return shutil.copytree(fixture_corpus, tmp_path / "data")
-
-
 def _shard(corpus, shard_id=0):
     return Shard.in_dir(corpus / "shards", shard_id, 2)
 
