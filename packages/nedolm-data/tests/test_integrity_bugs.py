@@ -571,3 +571,9 @@ def test_alpaca_history_becomes_the_earlier_turns():
     ]
     bad = _parse({"instruction": "c", "output": "d", "history": ["a"]})
     assert bad.reason == "invalid_message" and "'history' must be a list" in bad.message
+
+
+def test_a_corpus_from_before_the_split_hash_is_refused_with_what_to_do(corpus):
+    _edit_json(corpus / MANIFEST, lambda d: d.pop("validation_sha256"))
+    problems = _both_refuse(corpus, "missing required field `validation_sha256`")
+    assert "prepare the corpus again" in problems[0], problems

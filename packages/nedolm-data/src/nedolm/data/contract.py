@@ -250,7 +250,13 @@ def typed(path: Path, doc: dict[str, Any], kind: type[_Document]) -> _Document:
     try:
         return msgspec.convert(doc, kind)
     except msgspec.ValidationError as exc:
-        raise DatasetContractError(f"{path}: {exc}") from exc
+        hint = ""
+        if str(exc).startswith("Object missing required field"):
+            hint = (
+                " (written by an older nedolm-data? prepare the corpus again: the same inputs"
+                " and options give the same shards)"
+            )
+        raise DatasetContractError(f"{path}: {exc}{hint}") from exc
 
 
 def audit_problems(audit: PackingAudit, seq_len: int) -> list[str]:
