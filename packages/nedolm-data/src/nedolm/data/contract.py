@@ -252,10 +252,7 @@ def typed(path: Path, doc: dict[str, Any], kind: type[_Document]) -> _Document:
     except msgspec.ValidationError as exc:
         hint = ""
         if str(exc).startswith("Object missing required field"):
-            hint = (
-                " (written by an older nedolm-data? prepare the corpus again: the same inputs"
-                " and options give the same shards)"
-            )
+            hint = " (written by an older nedolm-data? prepare the corpus again with this version)"
         raise DatasetContractError(f"{path}: {exc}{hint}") from exc
 
 
