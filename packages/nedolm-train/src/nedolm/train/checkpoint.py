@@ -57,6 +57,14 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:08d}.pt"
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint file or sharded directory, from its name."""
+    match = _CHECKPOINT_NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not named like a checkpoint (step-NNNNNNNN[.pt])")
+    return int(match.group(1))
+
+
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (files and sharded directories) as (step, path), oldest first.
 
