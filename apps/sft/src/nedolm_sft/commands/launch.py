@@ -16,6 +16,9 @@ import uuid
 from pathlib import Path
 
 import click
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from nedolm.train.config import ConfigError, load_sft_config
 from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, verify_stop
@@ -45,11 +48,6 @@ def launch(argv: tuple[str, ...]) -> None:
       nedolm-sft launch --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d \\
           --rdzv-endpoint head:29500 --rdzv-id job42 examples/sft.yaml --no-compile
     """
-    # torch.distributed is heavy: import it only when launching.
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", HANDLED_SIGNALS)  # torchrun's own env default
     parser = torchrun.get_args_parser()
     parser.prog = "nedolm-sft launch"
