@@ -178,3 +178,17 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
     )
     assert not (job.run_dir / STOP_RECORD).exists()
     assert list_checkpoints(job.run_dir) == []
+
+
+def test_sigusr1_slurms_warning_also_stops_cleanly_with_exit_0(
+    corpus: Path, base: Path, tmp_path: Path
+) -> None:
+    job = Launch(write_config(tmp_path / "usr1.yaml", corpus, base), env=SLOW_FETCH)
+    job.wait_for_step(2)
+    os.kill(job.proc.pid, signal.SIGUSR1)  # handled by the launcher by default, unlike torchrun
+    job.wait_ok()
+    [(step, _)] = list_checkpoints(job.run_dir)
+    assert f"launch: SIGUSR1: every rank stopped at step {step} on a valid checkpoint" in (
+        job.output()
+    )
+    assert f"[rank 1] WARNING stop requested (SIGUSR1): stopped at step {step}" in job.output()
