@@ -69,9 +69,15 @@ def write_config(path: Path, corpus: Path, base: Path) -> Path:
 
 
 class Launch:
-    """``nedolm-sft launch --standalone --nproc-per-node N CONFIG``, output to a file."""
+    """``nedolm-sft launch --standalone --nproc-per-node N [OPTIONS] CONFIG``, output to a file."""
 
-    def __init__(self, config: Path, nproc: int = 2, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: Path,
+        nproc: int = 2,
+        env: dict[str, str] | None = None,
+        options: tuple[str, ...] = (),
+    ) -> None:
         self.run_dir = config.with_suffix("")
         self.log = config.parent / f"{config.stem}-launch-{time.monotonic_ns()}.log"
         penv = {
@@ -82,7 +88,7 @@ class Launch:
             **(env or {}),
         }
         cmd = [sys.executable, "-m", "nedolm_sft", "launch", "--standalone"]
-        cmd += ["--nproc-per-node", str(nproc), str(config), "--no-compile"]
+        cmd += ["--nproc-per-node", str(nproc), *options, str(config), "--no-compile"]
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 cmd, env=penv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -177,6 +183,21 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
         job.output()
     )
     assert not (job.run_dir / STOP_RECORD).exists()
+    assert list_checkpoints(job.run_dir) == []
+
+
+def test_ranks_sigkilled_after_the_shutdown_timeout_make_the_launcher_exit_128_plus_sigterm(
+    corpus: Path, base: Path, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path / "slow.yaml", corpus, base)
+    slow_save = {"NEDOLM_TEST_DELAY": "data_fetch=0.3,checkpoint_write=10"}
+    job = Launch(config, env=slow_save, options=("--shutdown-timeout", "2"))
+    job.wait_for_step(2)
+    os.kill(job.proc.pid, signal.SIGTERM)  # the stop's checkpoint outlasts the 2 s grace
+    assert job.wait() == 128 + signal.SIGTERM, job.output()[-4000:]
+    out = job.output()
+    assert "Unable to shutdown process" in out  # torch SIGKILLs after --shutdown-timeout
+    assert "launch: SIGTERM: the job did not stop cleanly: no rank recorded a clean stop" in out
     assert list_checkpoints(job.run_dir) == []
 
 
