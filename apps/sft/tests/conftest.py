@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import subprocess
 import sys
 from collections.abc import Callable
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from nedolm.data.builder import BuildOptions, build_corpus
+
+FIXTURES = Path(__file__).resolve().parents[3] / "packages" / "nedolm-data" / "tests" / "fixtures"
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 
 
@@ -32,3 +36,16 @@ def nedolm_sft() -> RunCli:
         )
 
     return run
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real corpus at seq_len 256 (2 shards) from the data package's Turkish chat fixtures."""
+    root = tmp_path_factory.mktemp("corpus")
+    tokenizer = root / "tokenizer.json"
+    tokenizer.write_bytes(
+        gzip.decompress((FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz").read_bytes())
+    )
+    inputs = sorted((FIXTURES / "tr_chat").glob("[nt]*.jsonl"))  # nutuk, tquad, truthfulqa
+    build_corpus(inputs, tokenizer, root / "data", BuildOptions(seq_len=256, shards=2))
+    return root / "data"

@@ -39,6 +39,19 @@ def test_run_with_a_missing_config_file(nedolm_sft: RunCli, tmp_path: Path) -> N
     assert_clear_error(nedolm_sft("run", "nope.yaml", cwd=tmp_path), "nope.yaml")
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--nproc-per-node", "2", "nope.yaml"], "nope.yaml: cannot read config"),
+        (["--nproc-per-node", "2", "-m", "nope.yaml"], "drop -m/--no-python/--run-path"),
+    ],
+)
+def test_launch_refuses_before_starting_any_rank(
+    nedolm_sft: RunCli, tmp_path: Path, args: list[str], needle: str
+) -> None:
+    assert_clear_error(nedolm_sft("launch", *args, cwd=tmp_path), needle)
+
+
 def test_run_with_a_typo_in_the_config_names_key_and_file(
     nedolm_sft: RunCli, tmp_path: Path
 ) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 import subprocess
 from collections.abc import Callable
@@ -13,31 +12,17 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.data.tokenizer import load_tokenizer
 from nedolm.model import morph_classes_from_vocab
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
 from nedolm.train.config import load_run_config
 from nedolm_sft.cli import cli
 
-FIXTURES = Path(__file__).resolve().parents[3] / "packages" / "nedolm-data" / "tests" / "fixtures"
 SMALL = ["d_model=64", "n_layers=1", "n_heads=2", "n_kv_heads=1", "ffn_dim=96", "max_seq_len=256"]
 
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    tokenizer = root / "tokenizer.json"
-    tokenizer.write_bytes(
-        gzip.decompress((FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz").read_bytes())
-    )
-    inputs = sorted((FIXTURES / "tr_chat").glob("[nt]*.jsonl"))  # nutuk, tquad, truthfulqa
-    build_corpus(inputs, tokenizer, root / "data", BuildOptions(seq_len=256, shards=2))
-    return root / "data"
 
 
 def test_init_base_then_run_a_smoke_fine_tune(

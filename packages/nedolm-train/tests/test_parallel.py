@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import signal
 import socket
@@ -18,10 +19,12 @@ import torch
 
 from nedolm.dist import RankError
 from nedolm.model import build_model
+from nedolm.train.checkpoint import checkpoint_path, latest_checkpoint
 from nedolm.train.optim import build_optimizer
 from nedolm.train.parallel import mixed_precision_policy, parallelize
 from nedolm.train.sharded import (
     MANIFEST,
+    PAYLOAD,
     load_full_state,
     load_sharded,
     save_sharded,
@@ -213,6 +216,32 @@ def test_sharded_save_replaces_a_killed_save_and_refuses_a_partial_one(tmp_path:
     (final / MANIFEST).unlink()  # shards and DCP metadata on disk, manifest not yet written
     with pytest.raises(RankError, match="not a complete sharded checkpoint"):
         load_sharded(final, other, other_optimizer)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_flipped_byte_in_any_file_of_a_sharded_checkpoint_falls_back_to_the_previous_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, optimizer = tiny_model_and_optimizer(seed=0)
+    older, newest = (checkpoint_path(tmp_path, step).with_suffix("") for step in (4, 5))
+    for step, directory in ((4, older), (5, newest)):
+        save_sharded(directory, model, optimizer, {"step": step}, payload={"step": step})
+    assert latest_checkpoint(tmp_path) == newest
+    files = sorted(newest.iterdir())
+    assert {path.name for path in files} >= {"__0_0.distcp", ".metadata", PAYLOAD, MANIFEST}
+    for path in files:
+        data = path.read_bytes()
+        offset = len(data) // 2
+        path.write_bytes(data[:offset] + bytes([data[offset] ^ 0x01]) + data[offset + 1 :])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="nedolm.train.checkpoint"):
+            assert latest_checkpoint(tmp_path) == older, path.name
+        [warning] = [record.getMessage() for record in caplog.records]
+        assert f"{newest} is corrupt: " in warning, warning
+        if path.name != MANIFEST:
+            assert f"{path.name}: sha256 " in warning and "does not match the manifest" in warning
+        path.write_bytes(data)  # flipped back: valid again
+        assert latest_checkpoint(tmp_path) == newest
 
 
 def test_full_state_that_does_not_fit_is_refused_by_name() -> None:

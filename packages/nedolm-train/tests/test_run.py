@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 
+from nedolm.train import checksum
 from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.config import load_sft_config
 from nedolm.train.metrics import read_metrics
 from nedolm.train.trainer import run
 
+real_sha256 = checksum.file_sha256
 
-def test_run_dir_contents_and_cadences(make_config) -> None:
+
+def test_run_dir_contents_and_cadences(make_config, monkeypatch) -> None:
     config = make_config(
         train={"max_steps": 6, "log_interval": 2, "ckpt_interval": 2, "keep_last": 2},
         validation={"interval": 4},
@@ -42,7 +45,13 @@ def test_run_dir_contents_and_cadences(make_config) -> None:
     assert "step 6/6 loss" in log and "eta 0:00:00" in log
 
     # Reusing the run dir: a finished run resumes, trains nothing and keeps its checkpoints.
+    # The checkpoint it resumes from is hashed (read in full) once, not once more to load it.
+    hashed = []
+    monkeypatch.setattr(
+        checksum, "file_sha256", lambda path: hashed.append(path.name) or real_sha256(path)
+    )
     run(load_sft_config(config), compile=False)
+    assert hashed == ["step-00000006.pt"]
     assert [s for s, _ in list_checkpoints(run_dir)] == [4, 6]
     meta = json.loads((run_dir / "run_metadata.json").read_text(encoding="utf-8"))
     assert [s["start_step"] for s in meta["starts"]] == [0, 6]

@@ -1,10 +1,12 @@
-"""Faults under the real launcher (``python -m torch.distributed.run``, 2 gloo ranks):
-a rank killed mid-step is named by its survivor, a SIGTERM to torchrun stops every rank on one
-consistent checkpoint, and the resume reproduces the uninterrupted 2-rank run exactly."""
+"""Faults under plain torchrun (``python -m torch.distributed.run``, 2 gloo ranks): a rank
+killed mid-step is named by its survivor, and a SIGTERM to torchrun stops every rank on one
+consistent checkpoint with its stop record, though torchrun itself exits 1. ``nedolm-sft
+launch`` turns that clean stop into exit 0 and is tested, with the exact resume, in the app."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
+from nedolm.train.stop_record import STOP_RECORD
 
 pytestmark = pytest.mark.slow
 COLLECTIVE_TIMEOUT_S = 30
@@ -69,18 +72,6 @@ class Torchrun:
             os.killpg(self.proc.pid, signal.SIGKILL)
             pytest.fail(f"torchrun hung for {timeout}s:\n{self.output()[-3000:]}")
 
-    def wait_ok(self) -> None:
-        assert self.wait() == 0, self.output()[-4000:]
-
-
-@pytest.fixture(scope="module")
-def reference_2_ranks(tmp_path_factory, corpus, base_run, harness) -> Path:
-    """The uninterrupted 2-rank run that every 2-rank resume must reproduce exactly."""
-    root = tmp_path_factory.mktemp("reference2")
-    config = harness.write_config(root / "ref2.yaml", corpus, base_run, root / "ref2", **SETTINGS)
-    Torchrun(config).wait_ok()
-    return root / "ref2"
-
 
 def test_a_rank_killed_mid_step_is_named_by_the_survivor(harness, make_config) -> None:
     config = make_config("killed", train={"grad_accum_steps": 1, "max_steps": 40})
@@ -93,8 +84,8 @@ def test_a_rank_killed_mid_step_is_named_by_the_survivor(harness, make_config) -
     assert "rank 0: lost rank 1 (no answer within 5 s" in job.output(), job.output()[-4000:]
 
 
-def test_sigterm_to_torchrun_stops_every_rank_on_one_checkpoint_and_resumes_exactly(
-    harness, reference_2_ranks, make_config
+def test_sigterm_to_torchrun_stops_every_rank_on_one_checkpoint_but_torchrun_exits_1(
+    harness, make_config
 ) -> None:
     config = make_config("stopped", **SETTINGS)
     job = Torchrun(config, env=SLOW_FETCH)
@@ -113,14 +104,9 @@ def test_sigterm_to_torchrun_stops_every_rank_on_one_checkpoint_and_resumes_exac
     state = load_checkpoint(path)
     assert 3 <= step < 8 and len(state["ranks"]) == 2
     assert state["progress"]["step"] == step
-
-    Torchrun(config).wait_ok()  # same world size: exactly the uninterrupted 2-rank run
-    assert harness.step_losses(job.run_dir) == harness.step_losses(reference_2_ranks)
-    harness.assert_same_weights(
-        harness.final_weights(job.run_dir), harness.final_weights(reference_2_ranks)
-    )
+    record = json.loads((job.run_dir / STOP_RECORD).read_text(encoding="utf-8"))
+    assert record == {"step": step, "world_size": 2, "launch_ids": [""]}  # no launcher id
 
     single = Torchrun(config, nproc=1)  # another world size: refused, naming both
     assert single.wait() != 0
     assert "execution.world_size: checkpoint 2 != now 1" in single.output()
-    assert load_checkpoint(latest_checkpoint(job.run_dir))["step"] == 8

@@ -74,3 +74,6 @@ cli.add_command(import_hf_command)
 from nedolm_sft.commands.inspect import inspect  # noqa: E402
 
 cli.add_command(inspect)
+from nedolm_sft.commands.launch import launch  # noqa: E402
+
+cli.add_command(launch)

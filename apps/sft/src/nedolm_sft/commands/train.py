@@ -33,7 +33,7 @@ def run(config: Path, smoke_steps: int | None, no_compile: bool) -> None:
     \b
     Example:
       nedolm-sft run examples/sft.yaml --smoke-steps 20 --no-compile
-      torchrun --nproc-per-node 8 -m nedolm.train examples/sft.yaml
+      nedolm-sft launch --standalone --nproc-per-node 8 examples/sft.yaml
     """
     try:
         cfg = load_sft_config(config)

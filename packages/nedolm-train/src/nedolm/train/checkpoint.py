@@ -57,6 +57,14 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:08d}.pt"
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint file or sharded directory, from its name."""
+    match = _CHECKPOINT_NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not named like a checkpoint (step-NNNNNNNN[.pt])")
+    return int(match.group(1))
+
+
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (files and sharded directories) as (step, path), oldest first.
 
@@ -133,8 +141,16 @@ def _validate(path: Path) -> None:
     if not path.is_dir():
         load_checkpoint(path)
         return
-    from nedolm.train.sharded import read_payload  # torch.distributed.checkpoint: only if used
+    from nedolm.train.sharded import (  # torch.distributed.checkpoint: only if used
+        ShardedCheckpointError,
+        read_payload,
+        verify_sharded,
+    )
 
+    try:
+        verify_sharded(path)
+    except ShardedCheckpointError as exc:
+        raise CheckpointError(str(exc)) from exc
     try:
         read_payload(path)
     except Exception as exc:
@@ -204,9 +220,13 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint or archive on CPU (memory-mapped), refusing corrupt or unreadable files."""
-    mismatch = checksum_mismatch(path)
+def load_checkpoint(path: Path, *, verify: bool = True) -> dict[str, Any]:
+    """Read a checkpoint or archive on CPU (memory-mapped), refusing corrupt or unreadable files.
+
+    ``verify=False`` skips the checksum, a full read of the file: only for a file that
+    ``latest_checkpoint`` has just verified.
+    """
+    mismatch = checksum_mismatch(path) if verify else None
     if mismatch is not None:
         raise CheckpointError(f"{path} is corrupt: {mismatch}")
     try:

@@ -1,4 +1,5 @@
-"""SHA-256 sidecars, so that flipped bytes anywhere in a checkpoint are caught, not only truncation.
+"""SHA-256 sidecars and digests, so that flipped bytes anywhere in a checkpoint are caught, not
+only truncation.
 
 ``step-00000100.pt`` gets ``step-00000100.pt.sha256`` beside it, holding the hex digest of the
 file's bytes. The digest is computed while the file is written (no second pass) and the sidecar
@@ -6,6 +7,9 @@ is installed before the file's own rename, so a file under its final name that w
 this code always has its checksum. The sidecar is a separate file, so verifying never trusts the
 content being verified. Files from elsewhere (a pretraining run's base checkpoint) carry no
 sidecar and are read unverified.
+
+A sharded checkpoint directory lists the digest of each of its files in its manifest, which is
+written last (``nedolm.train.sharded``): ``file_digests`` and ``digest_mismatch``.
 """
 
 from __future__ import annotations
@@ -65,4 +69,21 @@ def checksum_mismatch(path: Path) -> str | None:
     actual = file_sha256(path)
     if actual != expected:
         return f"sha256 {actual[:16]}... does not match {sidecar.name} ({expected[:16]}...)"
+    return None
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """Hex SHA-256 of every file directly in ``directory``, by name."""
+    return {path.name: file_sha256(path) for path in sorted(Path(directory).iterdir())}
+
+
+def digest_mismatch(directory: Path, expected: dict[str, str]) -> str | None:
+    """Why the files of ``directory`` differ from ``expected`` (one line), or None if they match."""
+    for name, digest in sorted(expected.items()):
+        path = Path(directory) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = file_sha256(path)
+        if actual != digest:
+            return f"{name}: sha256 {actual[:16]}... does not match the manifest ({digest[:16]}...)"
     return None

@@ -59,8 +59,8 @@ class Trainer:
         self.first_step = run.state.progress.step
         self._reset_log_window()
 
-    def train(self) -> None:
-        """The whole loop; returns normally on completion and on a stop request."""
+    def train(self) -> bool:
+        """The whole loop; returns normally on completion (False) and on a stop request (True)."""
         run, progress = self.run, self.state.progress
         if run.val_loader is not None and run.cfg.validation.at_start:
             self.validate()
@@ -88,13 +88,14 @@ class Trainer:
                 self.validate()
             if self.control(done):
                 log.warning("stop requested (%s): stopped at step %d", self.stop.describe(), done)
-                return
+                return True
         log.info(
             "finished at step %d: %d assistant tokens, %.2f h",
             progress.step,
             progress.assistant_tokens_seen,
             (time.monotonic() - self.job_start) / 3600,
         )
+        return False
 
     def _account(self, done: int, result: StepResult) -> None:
         """Progress and the log window after optimizer step ``done`` (1-based)."""

@@ -8,10 +8,13 @@ is on disk, and the directory only then gets its final name::
       __0_0.distcp __1_0.distcp one file per rank (DCP)
       .metadata                 DCP's index of the shards
       train_state.pt            rank 0's ``payload``: progress, per-rank RNG/loader cursors
-      nedolm-sharded.json       format version, world size, caller's metadata: written last
+      nedolm-sharded.json       format version, world size, caller's metadata, the sha256
+                                of every other file and of itself (``seal``): written last
 
 So a save killed at any point leaves either the previous checkpoint or a hidden ``.tmp-``
-directory that ``load_sharded`` refuses. DCP stores global shapes, so a checkpoint written by
+directory that ``load_sharded`` refuses, and ``verify_sharded`` catches flipped bytes in any
+file, the manifest included (format 1 directories, written before the digests, are read
+unverified). DCP stores global shapes, so a checkpoint written by
 N ranks (DDP or FSDP) loads on M ranks under either mode.
 
 The *full* state (``full_state``/``load_full_state``) is the unsharded, name-keyed form of
@@ -20,6 +23,7 @@ The *full* state (``full_state``/``load_full_state``) is the unsharded, name-key
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -39,11 +43,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from nedolm.data.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from nedolm.dist import all_rank_call, barrier, get_info, get_world_size, main_rank_call
+from nedolm.train.checksum import digest_mismatch, file_digests
 from nedolm.train.parallel import unwrap
 
 MANIFEST = "nedolm-sharded.json"
 PAYLOAD = "train_state.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added the digests; 1 is still read
+_READABLE_FORMATS = (1, FORMAT_VERSION)
 _TMP_SUFFIX = ".tmp-dcp"  # nedolm.data.atomic.is_temporary recognises the hidden name
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -78,9 +84,8 @@ def save_sharded(
     """
     info = get_info()
     final, tmp = Path(directory), temporary_dir(Path(directory))
-    manifest = json.dumps(
-        {"format": FORMAT_VERSION, "world_size": get_world_size(), "meta": meta}, indent=2
-    ).encode()  # serialised before any rank touches disk: bad meta fails here, on all ranks
+    manifest = {"format": FORMAT_VERSION, "world_size": get_world_size(), "meta": meta}
+    json.dumps(manifest)  # before any rank touches disk: bad meta fails here, on all ranks
 
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
@@ -94,7 +99,9 @@ def save_sharded(
     def finish() -> None:
         if payload is not None:
             atomic_write(tmp / PAYLOAD, lambda handle: torch.save(payload, handle))
-        atomic_write_bytes(tmp / MANIFEST, manifest)
+        manifest["sha256"] = file_digests(tmp)  # every shard, .metadata and the payload
+        manifest["seal"] = _seal(manifest)
+        atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
         if final.exists():  # a re-save of the same step after a resume
             shutil.rmtree(final)
         tmp.rename(final)
@@ -115,12 +122,38 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ShardedCheckpointError(
             f"{directory}: not a complete sharded checkpoint (no {MANIFEST})"
         )
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format") != FORMAT_VERSION:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ShardedCheckpointError(f"{path} is corrupt: {exc}") from exc
+    if manifest.get("format") not in _READABLE_FORMATS:
         raise ShardedCheckpointError(
-            f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}"
+            f"{path}: format {manifest.get('format')!r}, this version reads {_READABLE_FORMATS}"
         )
     return manifest
+
+
+def verify_sharded(directory: Path) -> None:
+    """Check every file of a complete sharded checkpoint against its manifest's digests.
+
+    Raises:
+        ShardedCheckpointError: incomplete, or a file is missing or its bytes changed.
+    """
+    manifest = read_manifest(directory)
+    if manifest["format"] == 1 and "seal" not in manifest:
+        return  # written before the digests existed
+    if manifest.get("seal") != _seal(manifest):
+        mismatch = f"{MANIFEST} does not match its own seal"
+    else:
+        mismatch = digest_mismatch(directory, manifest["sha256"])
+    if mismatch is not None:
+        raise ShardedCheckpointError(f"{directory} is corrupt: {mismatch}")
+
+
+def _seal(manifest: dict[str, Any]) -> str:
+    """The sha256 of the manifest's canonical JSON without its seal: flips in it show too."""
+    body = {key: value for key, value in manifest.items() if key != "seal"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def read_payload(directory: Path) -> dict[str, Any]:

@@ -158,12 +158,13 @@ def optimizer_state_by_name(
     }
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
+def read_checkpoint(path: Path, *, verify: bool = True) -> dict[str, Any]:
     """A training checkpoint in the current format: a ``.pt`` file's whole content, or a
-    sharded directory's payload (its model and optimizer load with ``load_sharded``)."""
+    sharded directory's payload (its model and optimizer load with ``load_sharded``).
+    ``verify`` as in ``load_checkpoint``."""
     if Path(path).is_dir():
         return read_payload(path)
-    return upgrade_checkpoint(load_checkpoint(path), str(path))
+    return upgrade_checkpoint(load_checkpoint(path, verify=verify), str(path))
 
 
 def load_model_weights(path: Path, checkpoint: dict[str, Any], model: nn.Module) -> None:

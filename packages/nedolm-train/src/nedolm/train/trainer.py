@@ -20,6 +20,7 @@ from nedolm.train.metrics import MetricsWriter, setup_logging
 from nedolm.train.run_lock import run_dir_lock
 from nedolm.train.setup import prepare_run
 from nedolm.train.signals import StopRequest
+from nedolm.train.stop_record import record_stop
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def run(
 
     Rank 0 holds the run directory's lock throughout (``run_lock``). Returns normally when
     the run finished or stopped on request (SIGTERM, SIGUSR1, ``max_hours``) after writing a
-    checkpoint; raises on any failure, on every rank (naming the lost ranks when peers died).
+    checkpoint and, on a stop, the stop record (``stop_record``); raises on any failure, on every rank (naming the lost ranks when peers died).
 
     Args:
         smoke_steps: run this many optimizer steps instead of the configured number.
@@ -70,10 +71,12 @@ def _train(
         info, "open metrics", lambda: MetricsWriter(cfg.run_dir) if info.is_main else None
     )
     try:
-        Trainer(run_state, stop, writer).train()
+        stopped = Trainer(run_state, stop, writer).train()
     finally:
         if writer is not None:
             writer.close()
+    if stopped:
+        record_stop(info, cfg.run_dir, run_state.state.progress.step)
 
 
 def _make_run_dir(cfg: SFTConfig) -> None:

@@ -1,0 +1,67 @@
+"""The stop record: proof, left in the run directory, that a stop request ended the job cleanly.
+
+A launcher that forwards a signal to its workers (torchrun's elastic agent) cannot tell from
+their exit alone whether they stopped on a consistent checkpoint, and torch reports the signal
+as its own failure. So after every rank has returned from the loop on the agreed stop step
+(the final checkpoint written and fenced), rank 0 writes ``run_dir/stop.json`` atomically:
+the step and the launch id of every rank's launcher (``NEDOLM_LAUNCH_ID``, one per node), so
+a record left by an earlier job is never taken for this one's. The launcher then accepts the
+stop only if the record names its launch and the newest valid checkpoint is that step's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from nedolm.data.atomic import atomic_write_bytes
+from nedolm.dist import DistInfo, gather_object, main_rank_call
+from nedolm.train.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint
+
+STOP_RECORD = "stop.json"
+LAUNCH_ID_ENV = "NEDOLM_LAUNCH_ID"
+
+
+def record_stop(info: DistInfo, run_dir: Path, step: int) -> None:
+    """Collective: every rank reports in, then rank 0 writes the stop record of ``step``."""
+    launch_ids = gather_object(os.environ.get(LAUNCH_ID_ENV, ""))
+    record = {"step": step, "world_size": info.world_size, "launch_ids": sorted(set(launch_ids))}
+    text = json.dumps(record, indent=2) + "\n"
+    main_rank_call(
+        info,
+        f"write stop record at step {step}",
+        lambda: atomic_write_bytes(Path(run_dir) / STOP_RECORD, text.encode("utf-8")),
+    )
+
+
+class UncleanStop(RuntimeError):
+    """The job did not stop cleanly; the message says why in one line."""
+
+
+def verify_stop(run_dir: Path, launch_id: str) -> int:
+    """The step the job launched as ``launch_id`` stopped at, cleanly (see the module doc).
+
+    Raises:
+        UncleanStop: no record of this launch, or the newest valid checkpoint is not the
+            record's step (or there is none).
+    """
+    path = Path(run_dir) / STOP_RECORD
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UncleanStop(
+            f"no rank recorded a clean stop in {path} (a rank failed or was killed first)"
+        ) from None
+    if launch_id not in record["launch_ids"]:
+        raise UncleanStop(f"{path} is from an earlier job: this launch recorded no clean stop")
+    step = record["step"]
+    try:
+        newest = latest_checkpoint(run_dir)
+    except CheckpointError as exc:
+        raise UncleanStop(str(exc)) from exc
+    if newest is None or checkpoint_step(newest) != step:
+        raise UncleanStop(
+            f"the ranks stopped at step {step} but the newest valid checkpoint is {newest}"
+        )
+    return step
