@@ -51,3 +51,10 @@ def test_a_corrupt_stop_checkpoint_is_refused_naming_the_one_that_is_valid(stopp
     path.write_bytes(bytes(data))
     with pytest.raises(UncleanStop, match=r"stopped at step 5 but .* is .*step-00000004\.pt"):
         verify_stop(stopped, "this")
+
+
+@pytest.mark.parametrize("text", ["{", '{"step": 5}', '["this"]'])
+def test_a_damaged_record_is_refused_naming_it(stopped: Path, text: str) -> None:
+    (stopped / "stop.json").write_text(text, encoding="utf-8")
+    with pytest.raises(UncleanStop, match=r"stop.json: not a stop record"):
+        verify_stop(stopped, "this")

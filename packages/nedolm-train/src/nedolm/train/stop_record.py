@@ -49,13 +49,15 @@ def verify_stop(run_dir: Path, launch_id: str) -> int:
     path = Path(run_dir) / STOP_RECORD
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
+        launch_ids, step = record["launch_ids"], int(record["step"])
     except FileNotFoundError:
         raise UncleanStop(
             f"no rank recorded a clean stop in {path} (a rank failed or was killed first)"
         ) from None
-    if launch_id not in record["launch_ids"]:
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UncleanStop(f"{path}: not a stop record ({exc!r})") from None
+    if launch_id not in launch_ids:
         raise UncleanStop(f"{path} is from an earlier job: this launch recorded no clean stop")
-    step = record["step"]
     try:
         newest = latest_checkpoint(run_dir)
     except CheckpointError as exc:
