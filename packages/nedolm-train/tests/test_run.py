@@ -9,12 +9,14 @@ from nedolm.train import checksum
 from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.config import load_sft_config
 from nedolm.train.metrics import read_metrics
+from nedolm.train.stop_record import LAUNCH_ID_ENV, verify_stop
 from nedolm.train.trainer import run
 
 real_sha256 = checksum.file_sha256
 
 
 def test_run_dir_contents_and_cadences(make_config, monkeypatch) -> None:
+    monkeypatch.setenv(LAUNCH_ID_ENV, "first")
     config = make_config(
         train={"max_steps": 6, "log_interval": 2, "ckpt_interval": 2, "keep_last": 2},
         validation={"interval": 4},
@@ -43,6 +45,8 @@ def test_run_dir_contents_and_cadences(make_config, monkeypatch) -> None:
     assert resolved["max_steps"] == 6 and resolved["corpus_stats"]["windows"] == 38
     log = (run_dir / "train.log").read_text(encoding="utf-8")
     assert "step 6/6 loss" in log and "eta 0:00:00" in log
+    # The end of training is a clean stop too, for a signal that reaches the launcher late.
+    assert verify_stop(run_dir, "first") == 6
 
     # Reusing the run dir: a finished run resumes, trains nothing and keeps its checkpoints.
     # The checkpoint it resumes from is hashed (read in full) once, not once more to load it.

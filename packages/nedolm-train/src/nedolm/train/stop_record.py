@@ -3,7 +3,9 @@
 A launcher that forwards a signal to its workers (torchrun's elastic agent) cannot tell from
 their exit alone whether they stopped on a consistent checkpoint, and torch reports the signal
 as its own failure. So after every rank has returned from the loop on the agreed stop step
-(the final checkpoint written and fenced), rank 0 writes ``run_dir/stop.json`` atomically:
+(the final checkpoint written and fenced), rank 0 writes ``run_dir/stop.json`` atomically (also
+at the end of training with a final checkpoint: a signal that reaches the launcher after the
+ranks' last stop check then still finds the job ended cleanly):
 the step and the launch id of every rank's launcher (``NEDOLM_LAUNCH_ID``, one per node), so
 a record left by an earlier job is never taken for this one's. The launcher then accepts the
 stop only if the record names its launch and the newest valid checkpoint is that step's.

@@ -75,7 +75,7 @@ def _train(
     finally:
         if writer is not None:
             writer.close()
-    if stopped:
+    if stopped or cfg.train.save_final_checkpoint:  # a signal may come as training ends
         record_stop(info, cfg.run_dir, run_state.state.progress.step)
 
 
