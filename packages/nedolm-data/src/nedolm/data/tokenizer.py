@@ -262,16 +262,19 @@ def copy_tokenizer_files(tokenizer: TextTokenizer, out_dir: Path) -> None:
         shutil.copyfile(tokenizer.config_path, out_dir / tokenizer.config_path.name)
 
 
-def content_forbidden_ids(tokenizer: TextTokenizer, specials: SpecialTokens) -> set[int]:
-    """Ids that must never occur inside message content: the tokenizer's special ids (but
-    ``<unk>``, which only stands for characters it cannot encode) plus the corpus's EOS, pad
-    and control ids."""
-    return (tokenizer.special_ids() - {tokenizer.unk_id}) | {
+def content_forbidden_ids(tokenizer: TextTokenizer | None, specials: SpecialTokens) -> set[int]:
+    """Ids that must never occur inside message content: the corpus's EOS, pad and control ids
+    plus the tokenizer's special ids (but ``<unk>``, which only stands for characters it cannot
+    encode; without the tokenizer, the corpus's ids alone)."""
+    corpus_ids = {
         specials.eos_id,
         specials.pad_id,
         specials.message_start_id,
         specials.message_end_id,
     }
+    if tokenizer is None:
+        return corpus_ids
+    return corpus_ids | (tokenizer.special_ids() - {tokenizer.unk_id})
 
 
 def build_special_tokens(tokenizer: TextTokenizer, tokenizer_file: str) -> SpecialTokens:

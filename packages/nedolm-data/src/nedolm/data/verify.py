@@ -376,16 +376,7 @@ def verify_corpus(
     with ThreadPoolExecutor(max_workers=1) as hasher:
         files_future = hasher.submit(hash_entries, data_dir, binaries, workers)
         tokenizer, tokenizer_problem = _recorded_tokenizer(data_dir, specials, tokenizer)
-        forbidden = (
-            content_forbidden_ids(tokenizer, specials)
-            if tokenizer is not None
-            else {
-                specials.eos_id,
-                specials.pad_id,
-                specials.message_start_id,
-                specials.message_end_id,
-            }
-        )
+        forbidden = content_forbidden_ids(tokenizer, specials)
         per_shard = [check_shard(s, specials, seq_len, forbidden) for s in shards]
         files = files_future.result()
 
