@@ -1,7 +1,7 @@
 """Cross-package fixtures: a real corpus from the app's shipped sample and a trained dense run.
 
 The run is produced the way a user produces one: the real builder prepares the first records of
-the shipped Turkish sample, ``init_base`` writes a random dense (Llama-shaped) base, and
+the shipped Turkish sample, ``init_tiny_base`` writes a random dense (Llama-shaped) base, and
 ``nedolm-sft run`` trains it for a few steps in a real subprocess.
 """
 
@@ -17,8 +17,7 @@ import pytest
 import yaml
 
 from nedolm.data.builder import BuildOptions, build_corpus
-from nedolm.data.format import read_special_tokens
-from nedolm.train.base import init_base
+from nedolm.train.testing import init_tiny_base
 
 DEFAULT = files("nedolm_sft") / "default"
 SEQ_LEN = 128
@@ -81,14 +80,7 @@ def sample_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def dense_run(sample_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory holding a dense model trained for 3 steps by ``nedolm-sft run``."""
     root = tmp_path_factory.mktemp("dense")
-    specials = read_special_tokens(sample_corpus)
-    init_base(
-        root / "base",
-        preset_name="tiny",
-        vocab_size=specials.vocab_size,
-        eos_id=specials.eos_id,
-        overrides=DENSE_TINY,
-    )
+    init_tiny_base(root / "base", sample_corpus, DENSE_TINY)
     write_sft_config(
         root / "sft.yaml",
         sample_corpus,

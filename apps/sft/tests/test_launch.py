@@ -4,10 +4,8 @@ run exactly, and a stop that a rank did not survive exits 128 + SIGTERM naming w
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,11 +14,10 @@ import pytest
 import torch
 import yaml
 
-from nedolm.data.format import read_special_tokens
-from nedolm.train.base import init_base
 from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
+from nedolm.train.testing import LaunchedJob, init_tiny_base
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 8
@@ -30,17 +27,8 @@ SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim":
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    special = read_special_tokens(corpus)
     out = tmp_path_factory.mktemp("base") / "base"
-    init_base(
-        out,
-        preset_name="tiny",
-        vocab_size=special.vocab_size,
-        eos_id=special.eos_id,
-        seed=1,
-        overrides={**SMALL, "max_seq_len": 256},
-    )
-    return out
+    return init_tiny_base(out, corpus, {**SMALL, "max_seq_len": 256}, seed=1)
 
 
 def write_config(path: Path, corpus: Path, base: Path) -> Path:
@@ -68,62 +56,16 @@ def write_config(path: Path, corpus: Path, base: Path) -> Path:
     return path
 
 
-class Launch:
-    """``nedolm-sft launch --standalone --nproc-per-node N [OPTIONS] CONFIG``, output to a file."""
-
-    def __init__(
-        self,
-        config: Path,
-        nproc: int = 2,
-        env: dict[str, str] | None = None,
-        options: tuple[str, ...] = (),
-    ) -> None:
-        self.run_dir = config.with_suffix("")
-        self.log = config.parent / f"{config.stem}-launch-{time.monotonic_ns()}.log"
-        penv = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-            "NEDOLM_DIST_TIMEOUT_S": "30",
-            **(env or {}),
-        }
-        cmd = [sys.executable, "-m", "nedolm_sft", "launch", "--standalone"]
-        cmd += ["--nproc-per-node", str(nproc), *options, str(config), "--no-compile"]
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, env=penv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def output(self) -> str:
-        return self.log.read_text(encoding="utf-8", errors="replace")
-
-    def rank_pid(self, rank: int) -> int:
-        """The worker process of ``rank`` (a direct child of the launcher, torch's agent)."""
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        for pid in map(int, children.split()):
-            with contextlib.suppress(FileNotFoundError):
-                if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(
-                    b"\0"
-                ):
-                    return pid
-        raise AssertionError(f"no worker with RANK={rank} under the launcher {self.proc.pid}")
-
-    def wait_for_step(self, step: int) -> None:
-        deadline = time.monotonic() + 180
-        while max([0] + [r["step"] for r in read_metrics(self.run_dir)]) < step:
-            assert self.proc.poll() is None, self.output()[-3000:]
-            assert time.monotonic() < deadline, f"no step {step} in 180 s"
-            time.sleep(0.05)
-
-    def wait(self, timeout: float = 240) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            pytest.fail(f"launch hung for {timeout}s:\n{self.output()[-3000:]}")
-
-    def wait_ok(self) -> None:
-        assert self.wait() == 0, self.output()[-4000:]
+def launch(
+    config: Path,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    options: tuple[str, ...] = (),
+) -> LaunchedJob:
+    """``nedolm-sft launch --standalone --nproc-per-node N [OPTIONS] CONFIG --no-compile``."""
+    cmd = [sys.executable, "-m", "nedolm_sft", "launch", "--standalone"]
+    cmd += ["--nproc-per-node", str(nproc), *options, str(config), "--no-compile"]
+    return LaunchedJob(cmd, config, {"NEDOLM_DIST_TIMEOUT_S": "30", **(env or {})})
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -137,11 +79,11 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_resumes_exactly(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    reference = Launch(write_config(tmp_path / "reference.yaml", corpus, base))
+    reference = launch(write_config(tmp_path / "reference.yaml", corpus, base))
     reference.wait_ok()
 
     config = write_config(tmp_path / "stopped.yaml", corpus, base)
-    job = Launch(config, env=SLOW_FETCH)
+    job = launch(config, env=SLOW_FETCH)
     job.wait_for_step(3)
     os.kill(job.proc.pid, signal.SIGTERM)  # the launcher itself, as a scheduler would
     signalled = time.monotonic()
@@ -156,14 +98,14 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_
     assert 3 <= step < MAX_STEPS and len(state["ranks"]) == 2
     assert state["progress"]["step"] == step
 
-    Launch(config).wait_ok()  # same world size: exactly the uninterrupted 2-rank run
+    launch(config).wait_ok()  # same world size: exactly the uninterrupted 2-rank run
     assert losses(job.run_dir) == losses(reference.run_dir)
     ours, theirs = final_weights(job.run_dir), final_weights(reference.run_dir)
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), f"{key} differs"
 
-    single = Launch(config, nproc=1)  # another world size: refused, naming both
+    single = launch(config, nproc=1)  # another world size: refused, naming both
     assert single.wait() == 1
     assert "execution.world_size: checkpoint 2 != now 1" in single.output()
     assert "rank 0 failed first (exit code 1; its log is above)" in single.output()
@@ -173,7 +115,7 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
     config = write_config(tmp_path / "unclean.yaml", corpus, base)
-    job = Launch(config, env=SLOW_FETCH)
+    job = launch(config, env=SLOW_FETCH)
     job.wait_for_step(2)
     rank1 = job.rank_pid(1)
     os.kill(job.proc.pid, signal.SIGTERM)
@@ -191,7 +133,7 @@ def test_ranks_sigkilled_after_the_shutdown_timeout_make_the_launcher_exit_128_p
 ) -> None:
     config = write_config(tmp_path / "slow.yaml", corpus, base)
     slow_save = {"NEDOLM_TEST_DELAY": "data_fetch=0.3,checkpoint_write=10"}
-    job = Launch(config, env=slow_save, options=("--shutdown-timeout", "2"))
+    job = launch(config, env=slow_save, options=("--shutdown-timeout", "2"))
     job.wait_for_step(2)
     os.kill(job.proc.pid, signal.SIGTERM)  # the stop's checkpoint outlasts the 2 s grace
     assert job.wait() == 128 + signal.SIGTERM, job.output()[-4000:]
@@ -204,7 +146,7 @@ def test_ranks_sigkilled_after_the_shutdown_timeout_make_the_launcher_exit_128_p
 def test_sigusr1_slurms_warning_also_stops_cleanly_with_exit_0(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    job = Launch(write_config(tmp_path / "usr1.yaml", corpus, base), env=SLOW_FETCH)
+    job = launch(write_config(tmp_path / "usr1.yaml", corpus, base), env=SLOW_FETCH)
     job.wait_for_step(2)
     os.kill(job.proc.pid, signal.SIGUSR1)  # handled by the launcher by default, unlike torchrun
     job.wait_ok()

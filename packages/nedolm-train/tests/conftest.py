@@ -28,10 +28,9 @@ import torch
 import yaml
 
 from nedolm.data.builder import BuildOptions, build_corpus
-from nedolm.data.format import read_special_tokens
-from nedolm.train.base import init_base
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
 from nedolm.train.metrics import read_metrics
+from nedolm.train.testing import init_tiny_base
 
 FIXTURES = Path(__file__).resolve().parents[2] / "nedolm-data" / "tests" / "fixtures"
 SEQ_LEN = 256
@@ -103,17 +102,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def base_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    special = read_special_tokens(corpus)
-    out = tmp_path_factory.mktemp("base") / "base"
-    init_base(
-        out,
-        preset_name="tiny",
-        vocab_size=special.vocab_size,
-        eos_id=special.eos_id,
-        seed=1,
-        overrides=TINY,
-    )
-    return out
+    return init_tiny_base(tmp_path_factory.mktemp("base") / "base", corpus, TINY, seed=1)
 
 
 def write_config(

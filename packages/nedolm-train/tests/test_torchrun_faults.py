@@ -5,11 +5,9 @@ launch`` turns that clean stop into exit 0 and is tested, with the exact resume,
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 
 from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.stop_record import STOP_RECORD
+from nedolm.train.testing import LaunchedJob
 
 pytestmark = pytest.mark.slow
 COLLECTIVE_TIMEOUT_S = 30
@@ -25,58 +24,18 @@ SLOW_FETCH = {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}  # room to act mid-run; no 
 SETTINGS = {"train": {"grad_accum_steps": 1, "max_steps": 8}}
 
 
-class Torchrun:
-    """``torchrun --standalone --nproc_per_node N -m nedolm.train CONFIG``, output to a file."""
-
-    def __init__(self, config: Path, nproc: int = 2, env: dict[str, str] | None = None) -> None:
-        self.run_dir = config.with_suffix("")
-        self.log = config.parent / f"{config.stem}-torchrun-{time.monotonic_ns()}.log"
-        penv = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-            "NEDOLM_DIST_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S),
-            **(env or {}),
-        }
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc_per_node", str(nproc), "-m", "nedolm.train", str(config)]
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, env=penv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def output(self) -> str:
-        return self.log.read_text(encoding="utf-8", errors="replace")
-
-    def rank_pid(self, rank: int) -> int:
-        """The worker process of ``rank`` (a direct child of the torchrun agent)."""
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        for pid in map(int, children.split()):
-            with contextlib.suppress(FileNotFoundError):
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                if f"RANK={rank}".encode() in environ:
-                    return pid
-        raise AssertionError(f"no worker with RANK={rank} under torchrun {self.proc.pid}")
-
-    def wait_for_step(self, logged_step, step: int) -> None:
-        deadline = time.monotonic() + 180
-        while logged_step(self.run_dir) < step:
-            assert self.proc.poll() is None, self.output()[-3000:]
-            assert time.monotonic() < deadline, f"no step {step} in 180 s"
-            time.sleep(0.05)
-
-    def wait(self, timeout: float = 240) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            pytest.fail(f"torchrun hung for {timeout}s:\n{self.output()[-3000:]}")
+def torchrun(config: Path, nproc: int = 2, env: dict[str, str] | None = None) -> LaunchedJob:
+    """``torchrun --standalone --nproc_per_node N -m nedolm.train CONFIG``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc_per_node", str(nproc), "-m", "nedolm.train", str(config)]
+    timeout = {"NEDOLM_DIST_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
+    return LaunchedJob(cmd, config, {**timeout, **(env or {})})
 
 
-def test_a_rank_killed_mid_step_is_named_by_the_survivor(harness, make_config) -> None:
+def test_a_rank_killed_mid_step_is_named_by_the_survivor(make_config) -> None:
     config = make_config("killed", train={"grad_accum_steps": 1, "max_steps": 40})
-    job = Torchrun(config, env=SLOW_FETCH)
-    job.wait_for_step(harness.logged_step, 2)
+    job = torchrun(config, env=SLOW_FETCH)
+    job.wait_for_step(2)
     os.kill(job.rank_pid(1), signal.SIGKILL)
     killed = time.monotonic()
     assert job.wait() != 0
@@ -85,11 +44,11 @@ def test_a_rank_killed_mid_step_is_named_by_the_survivor(harness, make_config) -
 
 
 def test_sigterm_to_torchrun_stops_every_rank_on_one_checkpoint_but_torchrun_exits_1(
-    harness, make_config
+    make_config,
 ) -> None:
     config = make_config("stopped", **SETTINGS)
-    job = Torchrun(config, env=SLOW_FETCH)
-    job.wait_for_step(harness.logged_step, 3)
+    job = torchrun(config, env=SLOW_FETCH)
+    job.wait_for_step(3)
     os.kill(job.proc.pid, signal.SIGTERM)  # torchrun itself, as a scheduler would
     signalled = time.monotonic()
     code = job.wait()
@@ -107,6 +66,6 @@ def test_sigterm_to_torchrun_stops_every_rank_on_one_checkpoint_but_torchrun_exi
     record = json.loads((job.run_dir / STOP_RECORD).read_text(encoding="utf-8"))
     assert record == {"step": step, "world_size": 2, "launch_ids": [""]}  # no launcher id
 
-    single = Torchrun(config, nproc=1)  # another world size: refused, naming both
+    single = torchrun(config, nproc=1)  # another world size: refused, naming both
     assert single.wait() != 0
     assert "execution.world_size: checkpoint 2 != now 1" in single.output()

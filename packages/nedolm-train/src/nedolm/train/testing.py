@@ -1,0 +1,106 @@
+"""Support for tests that train for real: a random ``tiny`` base for a corpus, and a multi-rank
+job under a launcher (torchrun, ``nedolm-sft launch``) in its own session with its output in a
+file, a rank's process found by its environment, waits that end a hung job instead of hanging
+the test run.
+
+Shipped with the package so that the fault tests of every package (and users' own) drive jobs
+the same way; nothing here is used by training itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from nedolm.data.format import read_special_tokens
+from nedolm.train.base import init_base
+from nedolm.train.metrics import read_metrics
+
+JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+"""One thread per rank (the test machine's cores are shared by every rank) and quiet logs."""
+
+
+def init_tiny_base(out: Path, corpus: Path, overrides: dict[str, int], seed: int = 0) -> Path:
+    """A random base run of the ``tiny`` preset in ``out`` for ``corpus``'s vocabulary and EOS."""
+    special = read_special_tokens(corpus)
+    init_base(
+        out,
+        preset_name="tiny",
+        vocab_size=special.vocab_size,
+        eos_id=special.eos_id,
+        seed=seed,
+        overrides=overrides,
+    )
+    return out
+
+
+class JobFailed(AssertionError):
+    """The job exited, hung or never reached what the test waited for; carries its output."""
+
+
+class LaunchedJob:
+    """``cmd`` (a launcher starting the ranks of ``config``'s run) with stdout and stderr in a
+    log file beside ``config``; the run directory is ``config`` without its suffix."""
+
+    def __init__(self, cmd: Sequence[str], config: Path, env: dict[str, str] | None = None) -> None:
+        self.run_dir = config.with_suffix("")
+        self.log = config.parent / f"{config.stem}-job-{time.monotonic_ns()}.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                list(cmd),
+                env={**os.environ, **JOB_ENV, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a SIGKILL of the group ends the ranks too
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(encoding="utf-8", errors="replace")
+
+    def rank_pid(self, rank: int) -> int:
+        """The worker process of ``rank``: the launcher's child whose environment says so."""
+        pid = self.proc.pid
+        for child in map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()):
+            with contextlib.suppress(FileNotFoundError):
+                if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(
+                    b"\0"
+                ):
+                    return child
+        raise JobFailed(f"no worker with RANK={rank} under the launcher {pid}")
+
+    def logged_step(self) -> int:
+        """The last step in the run's metrics.jsonl (0 before the first)."""
+        return max([0] + [r["step"] for r in read_metrics(self.run_dir)])
+
+    def wait_for_step(self, step: int, timeout: float = 180) -> None:
+        """Poll until the job has logged ``step``; it must not exit first."""
+        deadline = time.monotonic() + timeout
+        while self.logged_step() < step:
+            if self.proc.poll() is not None:
+                raise JobFailed(f"the job exited before step {step}:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise JobFailed(f"no step {step} in {timeout:.0f} s:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 240) -> int:
+        """The launcher's exit status; a job still running after ``timeout`` is killed."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise JobFailed(f"the job hung for {timeout:.0f} s:\n{self.output()[-3000:]}") from None
+
+    def wait_ok(self) -> None:
+        code = self.wait()
+        if code != 0:
+            raise JobFailed(f"the job exited {code}:\n{self.output()[-4000:]}")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
