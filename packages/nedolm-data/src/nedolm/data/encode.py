@@ -92,6 +92,8 @@ class ChunkEncoder:
         message's characters the round trip loses (the tokenizer releases the GIL)."""
         texts = [m.text for c in parsed if isinstance(c, Conversation) for m in c.messages]
         ids = self.tokenizer.encode_batch(texts)
+        if self.tokenizer.lossless:  # nothing to count: skip decoding
+            return Tokenized(ids, [0] * len(texts))
         return Tokenized(ids, lost_characters(texts, self.tokenizer.decode_batch(ids)))
 
     def assemble(

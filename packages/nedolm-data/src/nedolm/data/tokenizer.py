@@ -32,6 +32,7 @@ from nedolm.data.format import (
     TokenizerInfo,
 )
 from nedolm.data.hashing import file_sha256
+from nedolm.data.lossless import PROBE, reversible_pipeline
 from nedolm.data.records import (
     MESSAGE_END_TOKEN,
     MESSAGE_START_TOKEN,
@@ -65,6 +66,7 @@ class TextTokenizer(ABC):
     eos_id: int
     pad_id: int | None  # the tokenizer's own pad id, if it has one
     unk_id: int | None  # stands for characters outside the vocabulary, if the model has one
+    lossless: bool = False  # decode(encode(text)) == text for every text (``lossless``)
     config_path: Path | None = None  # the tokenizer_config.json EOS was read from
 
     @abstractmethod
@@ -119,8 +121,12 @@ class HFTokenizer(TextTokenizer):
             self._tok = Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
             raise TokenizerError(f"{path}: not a loadable tokenizer.json: {exc}") from exc
-        self.unk_id = self._model_unk_id(json.loads(text).get("model") or {})
+        doc = json.loads(text)
+        self.unk_id = self._model_unk_id(doc.get("model") or {})
         self._tok.encode_special_tokens = True  # typed "</s>" is text, not a control token
+        self.lossless = (
+            reversible_pipeline(doc) and self.decode_batch(self.encode_batch([PROBE]))[0] == PROBE
+        )
         self.base_vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.config_path = self.path.with_name(HF_TOKENIZER_CONFIG)
         if self.path.name != HF_TOKENIZER_FILE or not self.config_path.is_file():
