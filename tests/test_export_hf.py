@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from nedolm.data.inputs import read_records
 from nedolm.data.records import ROLE_ASSISTANT, ROLE_NAMES, ROLE_SYSTEM
 from nedolm.data.render import ConversationLayout, chat_template
-from nedolm.data.sources import Conversation, RecordPolicy, iter_lines, parse_record
+from nedolm.data.sources import Conversation, RecordPolicy, parse_record
 from nedolm.data.tokenizer import build_special_tokens
 from nedolm.model import generate
 from nedolm_sft.chat_model import load_chat_model
@@ -95,7 +96,7 @@ def fixture_conversations() -> list[Conversation]:
     return [
         parse_record(raw, path.name, line, RecordPolicy())
         for path in sorted(TR_CHAT.glob("*.jsonl"))
-        for line, raw in iter_lines(path)
+        for line, raw in read_records(path)
     ]
 
 

@@ -47,7 +47,8 @@ import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
-from nedolm.data.sources import Conversation, RecordPolicy, iter_lines, parse_record
+from nedolm.data.inputs import read_records
+from nedolm.data.sources import Conversation, RecordPolicy, Rejected, parse_record
 from nedolm.data.tokenizer import build_special_tokens, load_tokenizer
 from nedolm.model import IGNORE_INDEX, ModelConfig, MorphTransformer, build_model, packed_layout
 from nedolm.train.config import OptimConfig, RunConfig
@@ -94,8 +95,8 @@ def conversation_text(conversation: Conversation) -> str:
 def read_conversations(path: Path) -> Iterator[Conversation]:
     """The parseable conversations of a chat JSONL file (malformed records are skipped)."""
     policy = RecordPolicy(invalid_records="drop", unsupported_roles="drop")
-    for line_no, raw in iter_lines(path):
-        parsed = parse_record(raw, path.name, line_no, policy)
+    for line_no, raw in read_records(path):
+        parsed = raw if isinstance(raw, Rejected) else parse_record(raw, path.name, line_no, policy)
         if isinstance(parsed, Conversation):
             yield parsed
 

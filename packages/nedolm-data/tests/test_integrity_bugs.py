@@ -24,8 +24,9 @@ from nedolm.data.contract import (
     validate_dataset_contract,
 )
 from nedolm.data.format import SpecialTokens, discover_shards, read_array, write_array
+from nedolm.data.inputs import bounded_lines
 from nedolm.data.records import ROLE_ASSISTANT, ROLE_SYSTEM, ROLE_USER
-from nedolm.data.sources import InputError, RecordPolicy, bounded_lines, parse_record
+from nedolm.data.sources import InputError, RecordPolicy, parse_record
 from nedolm.data.verify import check_corpus
 
 MANIFEST = "SHARD_MANIFEST.json"

@@ -39,12 +39,11 @@ import msgspec
 from nedolm.data.hashing import file_sha256
 from nedolm.data.sharegpt import ShareGPTError, is_sharegpt_turns, to_openai
 from nedolm.data.sources import (
+    LINE_TOO_LONG,
     MAX_LINE_BYTES,
     MISSING_MESSAGES,
     InputError,
     Rejected,
-    bounded_lines,
-    oversized_rejection,
 )
 
 FORMATS = ("auto", "jsonl", "sharegpt", "parquet", "datasets")
@@ -190,6 +189,39 @@ def _jsonl_records(
                 f"{name}:{line_no + 1}: the compressed stream is cut or damaged ({exc})"
             ) from None
         hook(raw.tell())
+
+
+class OversizedLine(bytes):
+    """Stands for an input line longer than the limit, which is skipped, never held whole:
+    ``size`` is its length in bytes, ``limit`` the limit it broke."""
+
+    size: int
+    limit: int
+
+
+def bounded_lines(f: BinaryIO, max_bytes: int) -> Iterator[bytes]:
+    """The lines of ``f``, reading at most ``max_bytes + 1`` bytes of any line into memory;
+    a longer line comes as an ``OversizedLine`` after the rest of it was skipped."""
+    while raw := f.readline(max_bytes + 1):
+        if len(raw) <= max_bytes or raw.endswith(b"\n"):
+            yield raw
+            continue
+        size = len(raw)
+        while not raw.endswith(b"\n") and (raw := f.readline(1 << 20)):
+            size += len(raw)
+        line = OversizedLine(b"<oversized line>")
+        line.size, line.limit = size, max_bytes
+        yield line
+
+
+def oversized_rejection(raw: bytes, where: str) -> Rejected | None:
+    if not isinstance(raw, OversizedLine):
+        return None
+    return Rejected(
+        LINE_TOO_LONG,
+        f"{where}: the line holds {raw.size} bytes, more than the limit of {raw.limit} "
+        "(--max-line-bytes); drop such records with --invalid-records drop",
+    )
 
 
 def _decompressed(raw: BinaryIO, path: Path) -> BinaryIO:

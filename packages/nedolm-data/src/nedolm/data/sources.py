@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import msgspec
 
@@ -117,58 +115,10 @@ def doc_key(source_name: str, record_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-def iter_lines(path: Path, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw bytes) of every non-blank line; memory is one line.
-
-    A UTF-8 byte order mark (common in exports from Windows tools) is skipped.
-    """
-    with Path(path).open("rb") as f:
-        for line_no, raw in enumerate(bounded_lines(f, max_bytes), start=1):
-            if line_no == 1 and not isinstance(raw, OversizedLine):
-                raw = raw.removeprefix(b"\xef\xbb\xbf")
-            if raw.strip():
-                yield line_no, raw
-
-
-class OversizedLine(bytes):
-    """Stands for an input line longer than the limit, which is skipped, never held whole:
-    ``size`` is its length in bytes, ``limit`` the limit it broke."""
-
-    size: int
-    limit: int
-
-
-def bounded_lines(f: BinaryIO, max_bytes: int) -> Iterator[bytes]:
-    """The lines of ``f``, reading at most ``max_bytes + 1`` bytes of any line into memory;
-    a longer line comes as an ``OversizedLine`` after the rest of it was skipped."""
-    while raw := f.readline(max_bytes + 1):
-        if len(raw) <= max_bytes or raw.endswith(b"\n"):
-            yield raw
-            continue
-        size = len(raw)
-        while not raw.endswith(b"\n") and (raw := f.readline(1 << 20)):
-            size += len(raw)
-        line = OversizedLine(b"<oversized line>")
-        line.size, line.limit = size, max_bytes
-        yield line
-
-
-def oversized_rejection(raw: bytes, where: str) -> Rejected | None:
-    if not isinstance(raw, OversizedLine):
-        return None
-    return Rejected(
-        LINE_TOO_LONG,
-        f"{where}: the line holds {raw.size} bytes, more than the limit of {raw.limit} "
-        "(--max-line-bytes); drop such records with --invalid-records drop",
-    )
-
-
 def parse_record(
     raw: bytes, source_name: str, line_no: int, policy: RecordPolicy
 ) -> Conversation | Rejected:
     """One JSONL line → a conversation, or the first reason it cannot be one."""
-    if rejected := oversized_rejection(raw, f"{source_name}:{line_no}"):
-        return rejected
     try:
         return _parse(raw, source_name, line_no, policy)
     except _Reject as reject:
