@@ -40,12 +40,28 @@ def test_relative_paths_resolve_against_the_yaml_dir(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        (MINIMAL.replace("train: {}", "train: {micro_batch: 4}"), "unknown field `micro_batch`"),
+        (
+            MINIMAL.replace("train: {}", "train: {micro_batch: 4}"),
+            "unknown key `micro_batch` in `train`; did you mean `micro_batch_size`?",
+        ),
         (MINIMAL.replace("train: {}", "train: {seq_len: long}"), "$.train.seq_len"),
-        (MINIMAL.replace("optim: {}", "optim: {schedule: step}"), "$.optim.schedule"),
+        (
+            MINIMAL.replace("optim: {}", "optim: {schedule: step}"),
+            "`optim.schedule`: 'step' is not one of: constant, cosine, linear, wsd",
+        ),
         (MINIMAL.replace("optim: {}", "optim: {lr: 0}"), "lr must be > 0"),
         (MINIMAL.replace("train: {}", "train: {keep_last: 0}"), "keep_last must be >= 1"),
-        (MINIMAL + "validatoin: {}\n", "unknown field `validatoin`"),
+        (MINIMAL + "validatoin: {}\n", "unknown key `validatoin`; did you mean `validation`?"),
+        (MINIMAL + "run_dri: x\n", "unknown key `run_dri`; did you mean `run_dir`?"),
+        (
+            MINIMAL.replace("train: {}", "train: {parallelism: zero3}"),
+            "`train.parallelism`: 'zero3' is not one of: ddp, fsdp",
+        ),
+        (
+            MINIMAL.replace("train: {}", "train: {morph_dispatch: dense}"),
+            "`train.morph_dispatch`: 'dense' is not one of: masked, sparse",
+        ),
+        ("- a\n- b\n", "expected a mapping of keys, got list"),
         (MINIMAL.replace("data_dir: d\n", ""), "missing required field `data_dir`"),
         ("run_dir: [\n", "not valid YAML"),
     ],
@@ -86,3 +102,48 @@ def test_example_base_is_a_valid_model_config() -> None:
     cfg = model_config(run_config, morph_dispatch="sparse")
     assert isinstance(cfg, ModelConfig) and cfg.morph_dispatch == "sparse"
     assert model_config(run_config, morph_dispatch=None).morph_dispatch == "masked"
+
+
+def test_optim_and_train_sections_may_be_omitted(tmp_path: Path) -> None:
+    text = MINIMAL.replace("optim: {}\n", "").replace("train: {}\n", "")
+    cfg = load_sft_config(_write(tmp_path, text))
+    assert cfg.optim == OptimConfig() and cfg.train == TrainConfig()
+
+
+def test_overrides_are_typed_by_the_schema(tmp_path: Path) -> None:
+    cfg = load_sft_config(
+        _write(tmp_path, MINIMAL),
+        overrides=[
+            "optim.lr=1e-4",
+            "train.max_steps=30",
+            "train.compile=false",
+            "validation.shard_ids=[3, 4]",
+            "optim.betas=[0.8, 0.9]",
+        ],
+    )
+    assert cfg.optim.lr == 1e-4 and cfg.optim.betas == (0.8, 0.9)
+    assert cfg.train.max_steps == 30 and cfg.train.compile is False
+    assert cfg.validation.shard_ids == [3, 4]
+
+
+def test_an_override_wins_over_the_file_and_keeps_its_siblings(tmp_path: Path) -> None:
+    text = MINIMAL.replace("train: {}", "train: {max_steps: 5, seq_len: 64}")
+    cfg = load_sft_config(_write(tmp_path, text), overrides=["train.max_steps=9"])
+    assert cfg.train.max_steps == 9 and cfg.train.seq_len == 64
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("train.max_stesp=3", "unknown key `max_stesp` in `train`; did you mean `max_steps`?"),
+        ("optimizer.lr=1", "unknown key `optimizer`; did you mean `optim`?"),
+        ("optim.lr.x=1", "`optim.lr` is a value, not a section"),
+        ("train.max_steps", "expected KEY.PATH=VALUE"),
+        ("train.max_steps=many", "$.train.max_steps"),
+        ("optim.schedule=step", "'step' is not one of: constant, cosine, linear, wsd"),
+    ],
+)
+def test_bad_overrides_are_refused(tmp_path: Path, override: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_sft_config(_write(tmp_path, MINIMAL), overrides=[override])
+    assert needle in str(err.value)

@@ -96,3 +96,12 @@ def test_held_out_shard_is_not_trained_when_validation_is_off(make_config) -> No
     run(load_sft_config(allowed), compile=False)
     log = (allowed.with_suffix("") / "train.log").read_text(encoding="utf-8")
     assert "shards: train [0, 1, 2, 3], validate []" in log
+
+
+def test_validation_defaults_to_the_corpus_held_out_shards(make_config) -> None:
+    config = make_config(train={"max_steps": 2}, validation={"shard_ids": None, "interval": 2})
+    run(load_sft_config(config), compile=False)
+    log = (config.with_suffix("") / "train.log").read_text(encoding="utf-8")
+    assert "shards: train [0, 1, 3], validate [2], held out by the corpus [2]" in log
+    val = [r for r in read_metrics(config.with_suffix("")) if r.get("kind") == "validation"]
+    assert [r["step"] for r in val] == [0, 2] and all(r["val_loss"] > 0 for r in val)

@@ -10,10 +10,14 @@ config works from any current directory. Every default is documented in ``exampl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import msgspec
+import yaml
+
+from nedolm.train.config_schema import OverrideError, apply_overrides, explain
 
 Schedule = Literal["cosine", "linear", "wsd", "constant"]
 _S = TypeVar("_S", bound=msgspec.Struct)
@@ -131,8 +135,9 @@ class ValidationConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     """Held-out validation on whole shards."""
 
     enabled: bool = True
-    shard_ids: list[int] = msgspec.field(default_factory=lambda: [53])
-    """Shard ids held out of training (the integer after the first '-' of the file name)."""
+    shard_ids: list[int] | None = None
+    """Shard ids validated and held out of training (the integer after the first '-' of the
+    file name). Unset: the shards the corpus itself holds out (``prepare --val-fraction``)."""
     train_on_held_out: bool = False
     """Train on the shards the corpus holds out (its manifest's ``validation_shard_ids``) when
     they are not validated here. Off: those shards never train, whatever ``shard_ids`` says."""
@@ -162,8 +167,8 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Checkpoints, metrics and logs; an existing run dir is resumed from."""
     data_dir: Path
     """A prepared, verified corpus (nedolm-sft prepare)."""
-    optim: OptimConfig
-    train: TrainConfig
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     base_config: Path | None = None
     """The pretraining run's config YAML (holds the model config)."""
     base_run_dir: Path | None = None
@@ -205,29 +210,39 @@ def _path_hook(type_: type, value: object) -> object:
     raise TypeError(f"expected {type_.__name__}, got {type(value).__name__}")
 
 
-def _decode(path: Path, struct_type: type[_S]) -> _S:
+def _decode(path: Path, struct_type: type[_S], overrides: Sequence[str] = ()) -> _S:
     try:
-        raw = path.read_bytes()
+        raw = yaml.safe_load(path.read_bytes())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys, got {type(raw).__name__}")
+    try:
+        raw = apply_overrides(raw, overrides, struct_type)
+    except OverrideError as exc:
+        raise ConfigError(str(exc)) from exc
     # strict=False: PyYAML reads YAML 1.1, where `1e-4` is a string, not a float.
     try:
-        return msgspec.yaml.decode(raw, type=struct_type, strict=False, dec_hook=_path_hook)
+        return msgspec.convert(raw, type=struct_type, strict=False, dec_hook=_path_hook)
     except msgspec.ValidationError as exc:
-        # msgspec names the key and its path, e.g. "unknown field `lrr` - at `$.optim`".
-        raise ConfigError(f"{path}: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        source = f"{path} with --set {' '.join(overrides)}" if overrides else str(path)
+        raise ConfigError(f"{source}: {explain(exc, struct_type)}") from exc
 
 
 def _resolve(base: Path, path: Path) -> Path:
     return path if path.is_absolute() else (base / path).resolve()
 
 
-def load_sft_config(path: str | Path) -> SFTConfig:
-    """Read an SFT YAML; relative paths inside it resolve against its directory."""
+def load_sft_config(path: str | Path, overrides: Sequence[str] = ()) -> SFTConfig:
+    """Read an SFT YAML; relative paths inside it resolve against its directory.
+
+    ``overrides`` are ``key.path=value`` items (``nedolm-sft run --set``), applied to the YAML
+    before it is checked, so they obey the same schema.
+    """
     path = Path(path)
-    cfg = _decode(path, SFTConfig)
+    cfg = _decode(path, SFTConfig, overrides)
     base = path.resolve().parent
     return msgspec.structs.replace(
         cfg,

@@ -121,7 +121,9 @@ def prepare_run(
     recipe = _recipe(cfg, model_cfg, max_steps)
     contract = {
         "dataset": data.contract,
-        "training": training_contract(data.contract["fingerprint"], seq_len, _val_ids(cfg), recipe),
+        "training": training_contract(
+            data.contract["fingerprint"], seq_len, _val_ids(cfg, data.contract), recipe
+        ),
     }
 
     torch.manual_seed(cfg.train.seed)
@@ -213,8 +215,12 @@ def _check_runtime(model_cfg: ModelConfig, seq_len: int, device: torch.device) -
     resolve_attn_impl(model_cfg.attn_impl, device)
 
 
-def _val_ids(cfg: SFTConfig) -> list[int]:
-    return list(cfg.validation.shard_ids) if cfg.validation.enabled else []
+def _val_ids(cfg: SFTConfig, dataset_contract: dict[str, Any]) -> list[int]:
+    """The shards validated: the configured ids, or by default the corpus's held-out ones."""
+    if not cfg.validation.enabled:
+        return []
+    ids = cfg.validation.shard_ids
+    return list(dataset_contract["validation_shard_ids"] if ids is None else ids)
 
 
 def _prepare_data(
@@ -236,7 +242,7 @@ def _prepare_data(
         check_plan_matches_audit(corpus_stats(shards, seq_len), contract)
         train, val = split_train_val(
             shards,
-            _val_ids(cfg),
+            _val_ids(cfg, contract),
             contract["validation_shard_ids"],
             train_on_held_out=cfg.validation.train_on_held_out,
         )
@@ -269,7 +275,11 @@ def _prepare_data(
     )
     log.info("roles: %s", roles)
     if data.val_stats is not None:
-        log.info("validation: shards %s, %d windows", _val_ids(cfg), data.val_stats["windows"])
+        log.info(
+            "validation: shards %s, %d windows",
+            _val_ids(cfg, data.contract),
+            data.val_stats["windows"],
+        )
     return data
 
 
