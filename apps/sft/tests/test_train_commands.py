@@ -67,9 +67,59 @@ def test_init_base_then_run_a_smoke_fine_tune(
     )
     result = nedolm_sft("run", str(config), "--smoke-steps", "2", "--no-compile", env=QUIET_ENV)
     assert result.returncode == 0, result.stderr
-    state = load_checkpoint(latest_checkpoint(tmp_path / "run"))
+    state = load_checkpoint(latest_checkpoint(tmp_path / "run.smoke"))
     assert state["step"] == 2 and state["contract"]["execution"]["effective_compile"] is False
     assert "step 2/2 loss" in result.stderr
+    assert not (tmp_path / "run").exists()  # the smoke run leaves the real run dir alone
+
+    # A second smoke run starts afresh in its scratch dir (it does not resume the first).
+    result = nedolm_sft("run", str(config), "--smoke-steps", "1", "--no-compile", env=QUIET_ENV)
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in (tmp_path / "run.smoke" / "checkpoints").glob("step-*.pt")] == [
+        "step-00000001.pt"
+    ]
+
+    # The real run then starts cleanly, from step 0, with its own max_steps (set on the line).
+    real = ("run", str(config), "--no-compile", "--set", "train.max_steps=3")
+    result = nedolm_sft(*real, env=QUIET_ENV)
+    assert result.returncode == 0, result.stderr
+    assert "step 3/3 loss" in result.stderr and "resuming" not in result.stderr
+    assert load_checkpoint(latest_checkpoint(tmp_path / "run"))["step"] == 3
+
+
+def test_print_config_resolves_overrides_and_leaves_the_run_dir_untouched(
+    nedolm_sft: RunCli, tmp_path: Path
+) -> None:
+    config = tmp_path / "sft.yaml"
+    config.write_text("run_dir: run\nbase_hf_dir: hf\ndata_dir: corpus\n", encoding="utf-8")
+    args = ("--set", "optim.lr=1e-4", "--set", "validation.shard_ids=[3]", "--print-config")
+    for command in (("run", str(config)), ("launch", "--nproc-per-node", "2", str(config))):
+        result = nedolm_sft(*command, *args, env=QUIET_ENV)
+        assert result.returncode == 0, result.stderr
+        printed = yaml.safe_load(result.stdout)
+        assert printed["optim"]["lr"] == 1e-4 and printed["validation"]["shard_ids"] == [3]
+        assert printed["run_dir"] == str(tmp_path / "run")
+        assert printed["train"]["max_steps"] == 0  # every default is filled in
+        # What is printed is a config: it loads back to the same values.
+        again = tmp_path / "printed.yaml"
+        again.write_text(result.stdout, encoding="utf-8")
+        assert (
+            yaml.safe_load(nedolm_sft("run", str(again), "--print-config", env=QUIET_ENV).stdout)
+            == printed
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["printed.yaml", "sft.yaml"]
+
+
+@pytest.mark.parametrize("command", ["run", "launch"])
+def test_an_unknown_override_is_refused_before_anything_starts(
+    nedolm_sft: RunCli, tmp_path: Path, command: str
+) -> None:
+    config = tmp_path / "sft.yaml"
+    config.write_text("run_dir: run\nbase_hf_dir: hf\ndata_dir: corpus\n", encoding="utf-8")
+    result = nedolm_sft(command, str(config), "--set", "train.max_stesp=3", env=QUIET_ENV)
+    assert result.returncode == 2
+    assert "unknown key `max_stesp` in `train`; did you mean `max_steps`?" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 SIZED_TINY = ["--preset", "tiny", "--out", "b", "--vocab-size", "100", "--eos-id", "2"]

@@ -20,7 +20,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from nedolm.train.config import ConfigError, load_sft_config
+from nedolm.train.config import ConfigError, dump_config, load_sft_config
 from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, verify_stop
 
 # torchrun's default signals plus SIGUSR1, SLURM's usual pre-emption warning; the workers
@@ -58,9 +58,12 @@ def launch(argv: tuple[str, ...]) -> None:
         )
     config = Path(args.training_script)
     try:
-        cfg = load_sft_config(config)
+        cfg = load_sft_config(config, _overrides(args.training_script_args))
     except (ConfigError, OSError) as exc:
         raise click.UsageError(str(exc)) from exc
+    if "--print-config" in args.training_script_args:
+        click.echo(dump_config(cfg), nl=False)
+        return
     launch_id = uuid.uuid4().hex
     os.environ[LAUNCH_ID_ENV] = launch_id  # inherited by this node's workers
     args.module, args.training_script = True, "nedolm_sft"
@@ -85,3 +88,14 @@ def launch(argv: tuple[str, ...]) -> None:
             f"rank {rank} failed first (exit code {failure.exitcode}; its log is above); "
             "fix the cause and re-run the same command to resume from the last checkpoint"
         ) from exc
+
+
+def _overrides(run_args: list[str]) -> list[str]:
+    """The ``--set KEY=VALUE`` items among the run options, to check the config as run will."""
+    items = []
+    for i, arg in enumerate(run_args):
+        if arg == "--set" and i + 1 < len(run_args):
+            items.append(run_args[i + 1])
+        elif arg.startswith("--set="):
+            items.append(arg.removeprefix("--set="))
+    return items

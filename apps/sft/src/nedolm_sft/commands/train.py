@@ -11,7 +11,7 @@ from nedolm.data.format import read_special_tokens
 from nedolm.data.tokenizer import TokenizerError, load_tokenizer
 from nedolm.model import HFImportError, morph_classes_from_vocab, preset_names
 from nedolm.train.base import import_hf_base, init_base
-from nedolm.train.config import ConfigError, load_sft_config
+from nedolm.train.config import ConfigError, dump_config, load_sft_config
 from nedolm.train.trainer import run as run_training
 
 
@@ -21,10 +21,31 @@ from nedolm.train.trainer import run as run_training
     "--smoke-steps",
     type=click.IntRange(min=1),
     default=None,
-    help="Run this many optimizer steps instead of the configured number.",
+    help="Check a setup: run this many optimizer steps in the scratch dir RUN_DIR.smoke "
+    "(emptied first); the run dir itself is not touched, so the real run starts cleanly.",
 )
 @click.option("--no-compile", is_flag=True, help="Run the model eagerly (no torch.compile).")
-def run(config: Path, smoke_steps: int | None, no_compile: bool) -> None:
+@click.option(
+    "--set",
+    "overrides",
+    metavar="KEY.PATH=VALUE",
+    multiple=True,
+    help="Override a config key, e.g. --set optim.lr=1e-4 --set train.max_steps=50 "
+    "(repeatable; the value is YAML, checked like a key in the file).",
+)
+@click.option(
+    "--print-config",
+    is_flag=True,
+    help="Print the resolved config (YAML with --set applied, every default filled in) and "
+    "exit without touching the run dir.",
+)
+def run(
+    config: Path,
+    smoke_steps: int | None,
+    no_compile: bool,
+    overrides: tuple[str, ...],
+    print_config: bool,
+) -> None:
     """Fine-tune from the SFT YAML CONFIG; resumes from the run dir's latest checkpoint.
 
     Works alone (CPU or one GPU) and under torchrun or SLURM (one process per rank).
@@ -33,12 +54,16 @@ def run(config: Path, smoke_steps: int | None, no_compile: bool) -> None:
     \b
     Example:
       nedolm-sft run examples/sft.yaml --smoke-steps 20 --no-compile
+      nedolm-sft run examples/sft.yaml --set optim.lr=1e-4 --print-config
       nedolm-sft launch --standalone --nproc-per-node 8 examples/sft.yaml
     """
     try:
-        cfg = load_sft_config(config)
+        cfg = load_sft_config(config, overrides)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    if print_config:
+        click.echo(dump_config(cfg), nl=False)
+        return
     run_training(cfg, smoke_steps=smoke_steps, compile=not no_compile)
 
 

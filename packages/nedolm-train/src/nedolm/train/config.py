@@ -264,3 +264,8 @@ def load_run_config(path: str | Path) -> RunConfig:
 def to_builtins(cfg: msgspec.Struct) -> dict[str, object]:
     """A JSON-ready dict of a config (paths as strings), for metadata and fingerprints."""
     return msgspec.to_builtins(cfg, enc_hook=str)
+
+
+def dump_config(cfg: msgspec.Struct) -> str:
+    """A config as YAML, in schema order with every default: what ``--print-config`` shows."""
+    return yaml.safe_dump(to_builtins(cfg), sort_keys=False, allow_unicode=True)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import shutil
 import traceback
+from pathlib import Path
+
+import msgspec
 
 from nedolm.dist import (
     DistInfo,
@@ -17,7 +21,7 @@ from nedolm.dist import (
 from nedolm.train.config import SFTConfig
 from nedolm.train.loop import Trainer
 from nedolm.train.metrics import MetricsWriter, setup_logging
-from nedolm.train.run_lock import run_dir_lock
+from nedolm.train.run_lock import LOCK_FILE, run_dir_lock
 from nedolm.train.setup import prepare_run
 from nedolm.train.signals import StopRequest
 from nedolm.train.stop_record import record_stop
@@ -39,12 +43,15 @@ def run(
     checkpoint and, on a stop, the stop record (``stop_record``); raises on any failure, on every rank (naming the lost ranks when peers died).
 
     Args:
-        smoke_steps: run this many optimizer steps instead of the configured number.
+        smoke_steps: run this many optimizer steps instead of the configured number, in the
+            scratch dir ``smoke_run_dir(cfg.run_dir)`` (emptied first), not in the run dir.
         compile: False forces eager mode (``--no-compile``).
         stop: a StopRequest installed earlier (e.g. before heavy imports); default: one is
             installed now, before anything slow, so a signal during setup is not fatal.
     """
     stop = stop or StopRequest().install()
+    if smoke_steps is not None:
+        cfg = msgspec.structs.replace(cfg, run_dir=smoke_run_dir(cfg.run_dir))
     info = setup_distributed()
     try:
         with run_dir_lock(info, cfg.run_dir):
@@ -63,7 +70,8 @@ def run(
 def _train(
     cfg: SFTConfig, info: DistInfo, stop: StopRequest, *, smoke_steps: int | None, compile: bool
 ) -> None:
-    main_rank_call(info, "create run directory", lambda: _make_run_dir(cfg))
+    scratch = smoke_steps is not None
+    main_rank_call(info, "create run directory", lambda: _make_run_dir(cfg, scratch=scratch))
     setup_logging(cfg.run_dir if info.is_main else None)
     _log_start(cfg, info)
     run_state = prepare_run(cfg, info, smoke_steps=smoke_steps, allow_compile=compile)
@@ -79,8 +87,23 @@ def _train(
         record_stop(info, cfg.run_dir, run_state.state.progress.step)
 
 
-def _make_run_dir(cfg: SFTConfig) -> None:
+def smoke_run_dir(run_dir: Path) -> Path:
+    """Where ``--smoke-steps`` trains: beside the run dir, so a smoke test never leaves a
+    checkpoint that the real run would resume from (or refuse for its other ``max_steps``)."""
+    return run_dir.with_name(run_dir.name + ".smoke")
+
+
+def _make_run_dir(cfg: SFTConfig, *, scratch: bool) -> None:
+    """Create the run dir; a scratch (smoke) dir is emptied first, under the lock we hold."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    if scratch:
+        for entry in cfg.run_dir.iterdir():
+            if entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
 
 
 def _log_start(cfg: SFTConfig, info: DistInfo) -> None:
