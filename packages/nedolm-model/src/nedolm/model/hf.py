@@ -1,18 +1,24 @@
 """Weight export for use outside the trainer, and loading it back.
 
 A dense model (`n_morph_classes == 0`) is written in Hugging Face Llama format (`config.json` +
-`model.safetensors`, tied or untied as the model is, llama3 rope scaling kept), so `transformers.LlamaForCausalLM.from_pretrained(out_dir)` gives the
-same logits. Only the logical vocabulary rows are exported, so HF sees `vocab_size` exactly.
-Llama has no morph experts, so a morph model is written in our own format instead: the same two
-file names, with `config.json` = {"model_type": "nedolm_morph", "nedolm_config": {...}} and our
-parameter names; load it with `nedolm.model.load_hf(out_dir)`. Tokenizer files are the caller's.
+`model.safetensors`, tied or untied as the model is, llama3 rope scaling kept), so
+`transformers.LlamaForCausalLM.from_pretrained(out_dir)` gives the same logits. Only the logical
+vocabulary rows are exported, so HF sees `vocab_size` exactly. Llama has no morph experts, so a
+morph model is written as `model_type: nedolm` with Llama's tensor names plus its morph tensors
+(the class buffer included) and its loader code (`configuration_nedolm.py`, `modeling_nedolm.py`
+from `nedolm.model.hf_remote`, named in `auto_map`):
+`AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)` gives the same logits.
+`load_hf` reads both, and the `nedolm_morph` format that morph exports used before.
+Tokenizer files are the caller's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
+from importlib.resources import as_file, files
 from pathlib import Path
 
 import torch
@@ -21,14 +27,17 @@ from safetensors.torch import load_file, save_file
 from nedolm.model.config import ModelConfig, ModelConfigError
 from nedolm.model.hf_import import (
     CONFIG_NAME,
+    MORPH_CLASSES,
+    NEDOLM_MODEL_TYPE,
     WEIGHTS_NAME,
     HFImportError,
     import_hf,
     to_llama_state,
 )
+from nedolm.model.hf_remote import REMOTE_CODE_FILES
 from nedolm.model.model import MorphTransformer, build_model
 
-MORPH_MODEL_TYPE = "nedolm_morph"
+LEGACY_MORPH_MODEL_TYPE = "nedolm_morph"  # our own parameter names, no loader code
 
 
 class ExportFormatError(HFImportError):
@@ -48,19 +57,16 @@ def export_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    if cfg.n_morph_classes:
-        config = {
-            "model_type": MORPH_MODEL_TYPE,
-            "format_version": 1,
-            "nedolm_config": cfg.to_dict(),
-        }
-    else:
-        config, state = _llama_config(cfg), to_llama_state(state, cfg)
+    state = to_llama_state({k: v.detach() for k, v in model.state_dict().items()}, cfg)
+    config = _nedolm_config(cfg) if cfg.n_morph_classes else _llama_config(cfg)
     if dtype is not None:
-        state = {k: v if k == "morph_classes" else v.to(dtype) for k, v in state.items()}
+        state = {k: v if k == MORPH_CLASSES else v.to(dtype) for k, v in state.items()}
     state = {k: v.contiguous().cpu() for k, v in state.items()}
-    config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config["torch_dtype"] = str(state["model.norm.weight"].dtype).removeprefix("torch.")
+    if cfg.n_morph_classes:
+        for name in REMOTE_CODE_FILES:
+            with as_file(files("nedolm.model.hf_remote") / name) as source:
+                _atomic_write(out / name, lambda tmp, source=source: shutil.copyfile(source, tmp))
     _atomic_write(out / WEIGHTS_NAME, lambda tmp: save_file(state, str(tmp), {"format": "pt"}))
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     _atomic_write(out / CONFIG_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"))
@@ -68,7 +74,8 @@ def export_hf(
 
 
 def load_hf(out_dir: str | Path, **overrides: object) -> MorphTransformer:
-    """Load a directory written by `export_hf`, or any Llama/Mistral checkpoint `import_hf` reads.
+    """Load a directory written by `export_hf` (either morph format), or any Llama/Mistral
+    checkpoint `import_hf` reads.
 
     Args:
         out_dir: directory with config.json and model.safetensors.
@@ -76,7 +83,7 @@ def load_hf(out_dir: str | Path, **overrides: object) -> MorphTransformer:
 
     Raises:
         HFImportError: missing file, unsupported config, or weights that do not match
-            (ExportFormatError for our own morph format).
+            (ExportFormatError for the legacy `nedolm_morph` format).
     """
     root = Path(out_dir)
     config_path, weights_path = root / CONFIG_NAME, root / WEIGHTS_NAME
@@ -84,7 +91,7 @@ def load_hf(out_dir: str | Path, **overrides: object) -> MorphTransformer:
         raise ExportFormatError(f"{config_path}: missing")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-        if config.get("model_type") != MORPH_MODEL_TYPE:
+        if config.get("model_type") != LEGACY_MORPH_MODEL_TYPE:
             return import_hf(root, **overrides)
         cfg = ModelConfig(**{**config["nedolm_config"], **overrides})
     except (json.JSONDecodeError, KeyError, TypeError, ModelConfigError) as err:
@@ -102,8 +109,34 @@ def load_hf(out_dir: str | Path, **overrides: object) -> MorphTransformer:
 
 def _llama_config(cfg: ModelConfig) -> dict[str, object]:
     return {
+        **_hf_fields(cfg),
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
+        "hidden_act": "silu",
+        "rope_theta": cfg.rope_theta,  # transformers < 5
+        "rope_scaling": cfg.rope_scaling,  # transformers < 5
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def _nedolm_config(cfg: ModelConfig) -> dict[str, object]:
+    return {
+        **_hf_fields(cfg),
+        "architectures": ["NedoLMForCausalLM"],
+        "model_type": NEDOLM_MODEL_TYPE,
+        "auto_map": {
+            "AutoConfig": "configuration_nedolm.NedoLMConfig",
+            "AutoModelForCausalLM": "modeling_nedolm.NedoLMForCausalLM",
+        },
+        "num_morph_classes": cfg.n_morph_classes,
+        "morph_expert_size": cfg.morph_expert_dim,
+    }
+
+
+def _hf_fields(cfg: ModelConfig) -> dict[str, object]:
+    """The config.json fields Llama and NedoLM exports share (transformers' names)."""
+    return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,
@@ -111,17 +144,12 @@ def _llama_config(cfg: ModelConfig) -> dict[str, object]:
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,  # transformers < 5
-        "rope_scaling": cfg.rope_scaling,  # transformers < 5
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}
         | (cfg.rope_scaling or {}),
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "bos_token_id": None,  # token ids belong to the tokenizer the app ships alongside
         "eos_token_id": None,
         "pad_token_id": None,

@@ -1,4 +1,5 @@
-"""Read a Hugging Face Llama/Mistral checkpoint directory into a MorphTransformer.
+"""Read a Hugging Face Llama/Mistral checkpoint directory (or a NedoLM morph export) into a
+MorphTransformer.
 
 Reads `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`) with
 `safetensors` alone; `transformers` is never imported. Every architecture switch that our model
@@ -7,6 +8,8 @@ activations other than SiLU, ...) is refused with one line naming the config fie
 value, rather than imported into a model that would compute something else. Names, shapes and
 the set of tensors are checked against the config before any weight is read. The mapping
 between Llama tensor names and ours lives here and is shared with `nedolm.model.hf` (export).
+A NedoLM morph export (`model_type: nedolm`) uses the same names plus its morph tensors
+(`model.morph_classes`, `model.layers.N.morph.{gate,up,down}_proj.weight`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ from nedolm.model.model import MorphTransformer, build_model
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+NEDOLM_MODEL_TYPE = "nedolm"
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "NedoLMForCausalLM": NEDOLM_MODEL_TYPE,
+}
 # Config fields that must hold exactly this value (a missing field means the same in
 # transformers): anything else changes the function the checkpoint computes.
 _REQUIRED_VALUES: dict[str, object] = {
@@ -36,7 +44,8 @@ _REQUIRED_VALUES: dict[str, object] = {
     "quantization_config": None,
     "partial_rotary_factor": 1.0,
 }
-_IGNORED_TENSOR_SUFFIX = "rotary_emb.inv_freq"  # a buffer some old checkpoints saved
+_IGNORED_TENSOR_SUFFIX = "rotary_emb.inv_freq"
+MORPH_CLASSES = "model.morph_classes"  # int64 [vocab]: the morph class of each input id  # a buffer some old checkpoints saved
 
 
 class HFImportError(ValueError):
@@ -44,7 +53,8 @@ class HFImportError(ValueError):
 
 
 def import_hf(hf_dir: str | Path, **overrides: Any) -> MorphTransformer:
-    """A dense MorphTransformer computing what the checkpoint in `hf_dir` computes.
+    """A MorphTransformer computing what the checkpoint in `hf_dir` computes (dense for
+    Llama/Mistral, with its morph experts for a NedoLM export).
 
     Args:
         hf_dir: directory with config.json and model.safetensors or model.safetensors.index.json.
@@ -85,8 +95,12 @@ class _Unsupported(ValueError):
 def _model_fields(config: dict[str, Any]) -> dict[str, Any]:
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES.values():
-        raise _Unsupported(f"unsupported model_type {model_type!r} (supported: llama, mistral)")
-    architectures = config.get("architectures") or [f"{model_type.capitalize()}ForCausalLM"]
+        raise _Unsupported(
+            f"unsupported model_type {model_type!r} (supported: llama, mistral, nedolm)"
+        )
+    architectures = config.get("architectures") or [
+        name for name, kind in ARCHITECTURES.items() if kind == model_type
+    ]
     if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
         raise _Unsupported(
             f"unsupported architectures {architectures!r} (supported: {sorted(ARCHITECTURES)})"
@@ -109,8 +123,8 @@ def _model_fields(config: dict[str, Any]) -> dict[str, Any]:
         n_heads=n_heads,
         n_kv_heads=config.get("num_key_value_heads") or n_heads,
         ffn_dim=config["intermediate_size"],
-        n_morph_classes=0,
-        morph_expert_dim=0,
+        n_morph_classes=config.get("num_morph_classes", 0),
+        morph_expert_dim=config.get("morph_expert_size", 0),
         max_seq_len=config["max_position_embeddings"],
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -202,12 +216,15 @@ def _open(path: Path) -> Any:
 
 
 def llama_shapes(cfg: ModelConfig) -> dict[str, list[int]]:
-    """Every Llama tensor name of `cfg` with its shape."""
+    """Every Hugging Face tensor name of `cfg` with its shape (Llama's, plus morph tensors)."""
     D, F, V = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes = {"model.embed_tokens.weight": [V, D], "model.norm.weight": [D]}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = [V, D]
+    experts = cfg.n_morph_classes * cfg.morph_expert_dim
+    if experts:
+        shapes[MORPH_CLASSES] = [V]
     for layer in range(cfg.n_layers):
         p = f"model.layers.{layer}."
         shapes.update(
@@ -223,17 +240,34 @@ def llama_shapes(cfg: ModelConfig) -> dict[str, list[int]]:
                 p + "mlp.down_proj.weight": [D, F],
             }
         )
+        if experts:
+            shapes.update(
+                {
+                    p + "morph.gate_proj.weight": [experts, D],
+                    p + "morph.up_proj.weight": [experts, D],
+                    p + "morph.down_proj.weight": [D, experts],
+                }
+            )
     return shapes
 
 
-def _llama_names(layer: int) -> dict[str, str]:
+def _llama_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
     prefix, ours = f"model.layers.{layer}.", f"blocks.{layer}."
-    return {
+    names = {
         ours + "attn_norm.weight": prefix + "input_layernorm.weight",
         ours + "attn.wo.weight": prefix + "self_attn.o_proj.weight",
         ours + "ffn_norm.weight": prefix + "post_attention_layernorm.weight",
         ours + "ffn.w_down.weight": prefix + "mlp.down_proj.weight",
     }
+    if cfg.n_morph_classes:
+        names.update(
+            {
+                ours + "morph.w_gate": prefix + "morph.gate_proj.weight",
+                ours + "morph.w_up": prefix + "morph.up_proj.weight",
+                ours + "morph.w_down": prefix + "morph.down_proj.weight",
+            }
+        )
+    return names
 
 
 def _fused_parts(cfg: ModelConfig, layer: int) -> dict[str, tuple[list[str], list[int]]]:
@@ -249,30 +283,37 @@ def _fused_parts(cfg: ModelConfig, layer: int) -> dict[str, tuple[list[str], lis
 
 
 def to_llama_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Llama tensors of our dense state dict (logical vocabulary rows only)."""
+    """Hugging Face tensors of our state dict (logical vocabulary rows only)."""
     out = {
         "model.embed_tokens.weight": state["tok_embeddings.weight"][: cfg.vocab_size],
         "model.norm.weight": state["norm.weight"],
     }
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["output.weight"][: cfg.vocab_size]
+    if cfg.n_morph_classes:
+        out[MORPH_CLASSES] = state["morph_classes"][: cfg.vocab_size]
     for layer in range(cfg.n_layers):
-        out.update({hf: state[ours] for ours, hf in _llama_names(layer).items()})
+        out.update({hf: state[ours] for ours, hf in _llama_names(cfg, layer).items()})
         for ours, (names, rows) in _fused_parts(cfg, layer).items():
             out.update(zip(names, state[ours].split(rows), strict=True))
     return out
 
 
 def from_llama_state(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Our state dict of checked Llama tensors (vocabulary rows padded with zeros)."""
+    """Our state dict of checked Hugging Face tensors (vocabulary rows padded with zeros, and
+    padding ids in the last morph class, as `MorphTransformer.set_morph_classes` leaves them)."""
     out = {
         "tok_embeddings.weight": _pad_rows(tensors["model.embed_tokens.weight"], cfg),
         "norm.weight": tensors["model.norm.weight"],
     }
     if not cfg.tie_embeddings:
         out["output.weight"] = _pad_rows(tensors["lm_head.weight"], cfg)
+    if cfg.n_morph_classes:
+        classes = tensors[MORPH_CLASSES]
+        out["morph_classes"] = classes.new_full((cfg.padded_vocab_size,), cfg.n_morph_classes - 1)
+        out["morph_classes"][: cfg.vocab_size] = classes
     for layer in range(cfg.n_layers):
-        out.update({ours: tensors[hf] for ours, hf in _llama_names(layer).items()})
+        out.update({ours: tensors[hf] for ours, hf in _llama_names(cfg, layer).items()})
         for ours, (names, _) in _fused_parts(cfg, layer).items():
             out[ours] = torch.cat([tensors[name] for name in names])
     return out
