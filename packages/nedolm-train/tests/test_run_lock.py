@@ -1,8 +1,10 @@
 """One job per run directory: a second job is refused naming the holder; a killed holder's lock
-frees itself. Real processes, real flock."""
+frees itself, also while a child it forked lives on. Real processes, real record locks."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import signal
@@ -45,7 +47,9 @@ def test_a_second_holder_is_refused_and_a_killed_holders_lock_frees_itself(tmp_p
     acquire_run_lock(tmp_path)  # kill -9 released it: no stale lock to clean up
     try:
         assert holds_run_lock(tmp_path)
-        assert f"pid {os.getpid()}" in (tmp_path / "run.lock").read_text(encoding="utf-8")
+        _assert_refused_naming(tmp_path, os.getpid())  # seen from another process
+        with pytest.raises(RunDirLocked, match="already locked by this process"):
+            acquire_run_lock(tmp_path)  # a second descriptor would drop the lock on close
     finally:
         release_run_lock(tmp_path)
     assert not holds_run_lock(tmp_path)
@@ -70,3 +74,82 @@ def test_a_second_trainer_is_refused_naming_the_holder_until_the_holder_is_kille
     first.wait()
     harness.Job(config).wait_ok()  # kill -9 freed the lock: the next job runs
     assert [step for step, _ in list_checkpoints(first.run_dir)] == [2, 3]
+
+
+def _assert_refused_naming(run_dir: Path, pid: int) -> None:
+    """Another process tries to take ``run_dir`` and is refused, naming ``pid`` as holder."""
+    probe = "import sys\nfrom nedolm.train.run_lock import acquire_run_lock\n"
+    probe += "acquire_run_lock(sys.argv[1])"
+    tried = subprocess.run(
+        [sys.executable, "-c", probe, str(run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert tried.returncode == 1, tried.stderr
+    assert f"RunDirLocked: run_dir {run_dir} is in use by another job (host " in tried.stderr
+    assert f" pid {pid}, lock " in tried.stderr
+
+
+_FORKING_HOLDER = """
+import os, sys, time
+from nedolm.train.run_lock import acquire_run_lock
+acquire_run_lock(sys.argv[1])
+child = os.fork()
+if child == 0:  # like a DataLoader worker: forked while the lock is held, outlives its parent
+    time.sleep(600)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_forked_child_of_a_killed_holder_does_not_keep_the_lock(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a requeue meets after ``kill -9`` of a trainer whose loader workers still run."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    child = int(holder.stdout.readline())
+    try:
+        _assert_refused_naming(tmp_path, holder.pid)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+        os.kill(child, 0)  # the child still runs, with the lock file's descriptor open
+        with caplog.at_level(logging.WARNING, logger="nedolm.train.run_lock"):
+            acquire_run_lock(tmp_path)
+        release_run_lock(tmp_path)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(holder.pid, signal.SIGKILL)
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert warning == (
+        f"run_dir {tmp_path}: its lock names host {socket.gethostname()} pid {holder.pid}, "
+        "which ended without releasing it (killed?); taking it over"
+    )
+
+
+def test_a_dead_recorded_holder_is_taken_over_with_one_log_line_and_a_release_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = f"host {socket.gethostname()} pid {int(ended.stdout)}"
+    lock_file = tmp_path / "run.lock"
+    lock_file.write_text(f"{dead}\n", encoding="utf-8")  # what a killed job leaves
+    with caplog.at_level(logging.WARNING, logger="nedolm.train.run_lock"):
+        acquire_run_lock(tmp_path)
+        release_run_lock(tmp_path)
+        [warning] = [record.getMessage() for record in caplog.records]
+        assert f"its lock names {dead}, which ended without releasing it" in warning
+        # A clean finish leaves a file that no reader takes for a live holder.
+        me = f"host {socket.gethostname()} pid {os.getpid()}"
+        assert lock_file.read_text(encoding="utf-8") == f"released by {me}\n"
+        caplog.clear()
+        acquire_run_lock(tmp_path)
+        release_run_lock(tmp_path)
+        assert caplog.records == []
