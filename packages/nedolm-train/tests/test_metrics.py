@@ -34,3 +34,21 @@ def test_a_bad_complete_line_is_named(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("[1, 2]\n")
     with pytest.raises(MetricsError, match=r"metrics\.jsonl:1: not a JSON object"):
         read_metrics(tmp_path)
+
+
+def test_a_re_trained_step_keeps_its_last_record_in_step_order(tmp_path: Path) -> None:
+    """After resumes, steps 3-4 are logged three times: the last of each is the curve's."""
+    first = [{"step": 0, "kind": "validation", "val_loss": 4.0}]
+    first += [{"step": s, "loss": 10.0 - s} for s in (1, 2, 3, 4)]
+    again = [{"step": s, "loss": 20.0 - s} for s in (3, 4)]
+    last = [{"step": s, "loss": 30.0 - s} for s in (3, 4, 5)]
+    last.append({"step": 5, "kind": "validation", "val_loss": 3.0})
+    train, validation = split_metrics(first + again + last)
+    assert [(r["step"], r["loss"]) for r in train] == [
+        (1, 9.0),
+        (2, 8.0),
+        (3, 27.0),
+        (4, 26.0),
+        (5, 25.0),
+    ]
+    assert [r["step"] for r in validation] == [0, 5]

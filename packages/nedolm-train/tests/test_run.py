@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from nedolm.dist import RankError
 from nedolm.train import checksum
 from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.config import load_sft_config
-from nedolm.train.metrics import read_metrics
+from nedolm.train.metrics import read_metrics, split_metrics
+from nedolm.train.optim import lr_at_step
 from nedolm.train.stop_record import LAUNCH_ID_ENV, verify_stop
 from nedolm.train.trainer import run
 
@@ -105,3 +109,60 @@ def test_validation_defaults_to_the_corpus_held_out_shards(make_config) -> None:
     assert "shards: train [0, 1, 3], validate [2], held out by the corpus [2]" in log
     val = [r for r in read_metrics(config.with_suffix("")) if r.get("kind") == "validation"]
     assert [r["step"] for r in val] == [0, 2] and all(r["val_loss"] > 0 for r in val)
+
+
+def test_a_resumed_run_has_one_curve_point_per_step_and_no_second_start_validation(
+    make_config,
+) -> None:
+    config = make_config(train={"max_steps": 4, "ckpt_interval": 2}, validation={"interval": 100})
+    run(load_sft_config(config), compile=False)
+    run_dir = config.with_suffix("")
+    # The job died after step 4 before its checkpoint landed: the resume re-trains 3 and 4.
+    for path in (run_dir / "checkpoints").glob("step-00000004.*"):
+        path.unlink()
+    run(load_sft_config(config), compile=False)
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 3, 4]
+    train, validation = split_metrics(records)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["step"] for r in validation] == [0, 4]  # at start once, at the end (twice, kept once)
+    assert sum(1 for r in records if r.get("kind") == "validation" and r["step"] == 2) == 0
+
+
+def test_a_finished_run_extends_as_a_new_stage_at_its_final_lr(make_config) -> None:
+    config = make_config(
+        train={"max_steps": 4, "ckpt_interval": 1, "keep_last": 10},
+        optim={"lr": 3e-3, "warmup_steps": 1, "schedule": "cosine", "min_lr_ratio": 0.1},
+    )
+    run_dir = config.with_suffix("")
+    cfg = load_sft_config(config)
+    run(cfg, compile=False)
+    final_lr = lr_at_step(3, cfg.optim, 4)
+    assert final_lr == pytest.approx(3e-4)
+
+    # Everything but a larger max_steps still refuses, naming what changed.
+    with pytest.raises(RankError, match=r"ResumeRefused: .* training\.recipe\.optim\.lr:"):
+        run(load_sft_config(config, ["train.max_steps=6", "optim.lr=1e-3"]), compile=False)
+    with pytest.raises(
+        RankError, match=r"ResumeRefused: .*recipe\.max_steps: checkpoint 4 != now 3"
+    ):
+        run(load_sft_config(config, ["train.max_steps=3"]), compile=False)
+
+    run(load_sft_config(config, ["train.max_steps=6"]), compile=False)
+    train, _ = split_metrics(read_metrics(run_dir))
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert [r["lr"] for r in train[4:]] == [final_lr, final_lr]
+    meta = json.loads((run_dir / "run_metadata.json").read_text(encoding="utf-8"))
+    stages = [(s["start_step"], s["max_steps"], s["schedule_steps"]) for s in meta["starts"][-2:]]
+    assert stages == [(0, 4, 4), (4, 6, 4)]
+    assert "extending the finished run: steps 4 -> 6" in (run_dir / "train.log").read_text()
+
+    # A job killed inside the new stage resumes in it; a second extension keeps the span.
+    for path in (run_dir / "checkpoints").glob("step-00000006.*"):
+        path.unlink()
+    run(load_sft_config(config, ["train.max_steps=6"]), compile=False)
+    run(load_sft_config(config, ["train.max_steps=8"]), compile=False)
+    state = load_checkpoint(run_dir / "checkpoints" / "step-00000008.pt")
+    assert state["progress"]["schedule_steps"] == 4
+    train, _ = split_metrics(read_metrics(run_dir))
+    assert [r["lr"] for r in train[4:]] == [final_lr] * 4

@@ -62,13 +62,14 @@ class Trainer:
     def train(self) -> bool:
         """The whole loop; returns normally on completion (False) and on a stop request (True)."""
         run, progress = self.run, self.state.progress
-        if run.val_loader is not None and run.cfg.validation.at_start:
+        at_start = run.cfg.validation.at_start and progress.step == 0  # not again on resume
+        if run.val_loader is not None and at_start:
             self.validate()
         log.info("training steps %d -> %d", progress.step, run.max_steps)
         run.model.train()
         self._reset_log_window()
         for step in range(progress.step, run.max_steps):
-            lr = lr_at_step(step, run.cfg.optim, run.max_steps)
+            lr = lr_at_step(step, run.cfg.optim, progress.schedule_steps or run.max_steps)
             set_lr(self.state.optimizer, lr)
             result = train_step(
                 run.model, self.params, self.state.optimizer, run.train_batches, run.settings, step

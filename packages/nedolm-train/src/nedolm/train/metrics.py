@@ -118,7 +118,17 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def split_metrics(
     records: list[dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(training step records, validation records) of ``read_metrics``."""
-    train = [r for r in records if r.get("kind") != "validation" and "loss" in r]
-    validation = [r for r in records if r.get("kind") == "validation"]
-    return train, validation
+    """(training step records, validation records) of ``read_metrics``, one per step, by step.
+
+    A resumed run re-trains the steps after its checkpoint and appends their lines again; the
+    last record of a step (the one the surviving weights came from) is the one kept, so curves
+    never zig-zag back over re-trained steps.
+    """
+    train: dict[int, dict[str, Any]] = {}
+    validation: dict[int, dict[str, Any]] = {}
+    for record in records:
+        if record.get("kind") == "validation":
+            validation[record["step"]] = record
+        elif "loss" in record:
+            train[record["step"]] = record
+    return [train[s] for s in sorted(train)], [validation[s] for s in sorted(validation)]

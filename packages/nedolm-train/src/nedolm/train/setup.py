@@ -309,9 +309,32 @@ def _recipe(cfg: SFTConfig, model_cfg: ModelConfig, max_steps: int) -> dict[str,
 def _read_resume(
     path: Path, contract: dict[str, dict[str, Any]], free: tuple[str, ...]
 ) -> dict[str, Any]:
-    """The checkpoint to resume from, in the current format, refused if the recipe changed."""
+    """The checkpoint to resume from, in the current format, refused if the recipe changed.
+
+    A finished run may be extended: a larger ``train.max_steps`` and nothing else changed.
+    The schedule then keeps its span (``Progress.schedule_steps``), so the added steps train at
+    the learning rate the finished run ended with rather than jumping back up a new curve.
+    """
     state = read_checkpoint(path, verify=False)  # latest_checkpoint verified it just now
+    saved = state.get("contract")
+    recipe = saved.get("training", {}).get("recipe", {}) if isinstance(saved, dict) else {}
+    saved_steps = int(recipe.get("max_steps", -1))
+    wanted_steps = int(contract["training"]["recipe"]["max_steps"])
+    finished = int(state.get("progress", {}).get("step", -2)) == saved_steps
+    extended = finished and wanted_steps > saved_steps
+    if extended:
+        free = (*free, "training.recipe.max_steps")
     check_resume(state, contract, str(path), parts=("dataset", "training"), free=free)
+    if extended:
+        progress = state["progress"]
+        progress["schedule_steps"] = progress.get("schedule_steps") or saved_steps
+        log.info(
+            "extending the finished run: steps %d -> %d, a new stage; the added steps keep the "
+            "lr the schedule over %d steps ended with",
+            saved_steps,
+            wanted_steps,
+            progress["schedule_steps"],
+        )
     return state
 
 
@@ -477,6 +500,8 @@ def _write_metadata(run: Run, data: _Data) -> None:
             "nodes": os.environ.get("SLURM_JOB_NODELIST", ""),
             "base_checkpoint": run.base_checkpoint,
             "effective_compile": run.contract["execution"]["effective_compile"],
+            "max_steps": run.max_steps,
+            "schedule_steps": run.state.progress.schedule_steps or run.max_steps,
             "torch": torch.__version__,
         },
     )

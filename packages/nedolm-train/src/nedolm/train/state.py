@@ -53,6 +53,9 @@ class Progress:
     step: int = 0
     context_tokens_seen: int = 0
     assistant_tokens_seen: int = 0
+    schedule_steps: int = 0
+    """The steps the lr schedule spans (0: the run's max_steps). Set when a finished run is
+    extended: the added steps continue at the learning rate the schedule ended with."""
 
 
 class TrainState:
