@@ -1,7 +1,8 @@
-"""Atomic checkpoint files, rotation, and what a kill -9 mid-write leaves behind."""
+"""Atomic checkpoint files, their digests, rotation, and what a kill -9 mid-write leaves behind."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from nedolm.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    resume_checkpoint,
     save_checkpoint,
     save_model_archive,
     write_run_metadata,
@@ -69,6 +72,96 @@ def test_temp_files_are_ignored_and_cleaned_by_the_lock_holder_only(tmp_path: Pa
     finally:
         release_run_lock(tmp_path)
     assert not stale.exists()
+
+
+def test_stray_temporaries_of_either_layout_never_stop_a_save(tmp_path: Path) -> None:
+    """A sharded save killed before its rename leaves a directory (``.step-N.tmp-dcp``)."""
+    save_checkpoint(tmp_path, 1, _payload(1), keep_last=3, keep_every=0)
+    checkpoints = checkpoint_path(tmp_path, 1).parent
+    stray_dir = checkpoints / ".step-00000002.tmp-dcp"
+    (stray_dir / "__0_0.distcp").parent.mkdir()
+    (stray_dir / "__0_0.distcp").write_bytes(b"half a shard")
+    stray_file = checkpoints / ".step-00000002.pt.tmp-999"
+    stray_file.write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path, 3, _payload(3), keep_last=3, keep_every=0)
+    assert stray_dir.is_dir() and stray_file.exists()  # no run lock: maybe another job's
+    acquire_run_lock(tmp_path)
+    try:
+        save_checkpoint(tmp_path, 4, _payload(4), keep_last=3, keep_every=0)
+    finally:
+        release_run_lock(tmp_path)
+    assert not stray_dir.exists() and not stray_file.exists()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 3, 4]
+
+
+def _flip_model_byte(path: Path, step: int) -> None:
+    """Flip a byte inside the stored weights: torch.load reads the file without complaint."""
+    data = bytearray(path.read_bytes())
+    offset = bytes(data).find(_payload(step)["model"]["w"].numpy().tobytes())
+    assert offset > 0
+    data[offset + 1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_the_digest_travels_inside_the_file(tmp_path: Path, caplog) -> None:
+    """``cp checkpoints/*.pt`` leaves the sidecars behind: the copy still verifies."""
+    for step in (1, 2):
+        path = save_checkpoint(tmp_path, step, _payload(step), keep_last=3, keep_every=0)
+    sidecar = checksum_path(path).read_text(encoding="ascii").strip()
+    assert sidecar == hashlib.sha256(path.read_bytes()).hexdigest()  # sha256sum -c works
+    assert zipfile.ZipFile(path).comment.startswith(b"nedolm-sha256:")
+    for step in (1, 2):
+        checksum_path(checkpoint_path(tmp_path, step)).unlink()
+    assert latest_checkpoint(tmp_path, require_digest=True) == path
+    _flip_model_byte(path, 2)
+    with pytest.raises(CheckpointError, match=r"is corrupt: sha256 .* the digest inside it"):
+        load_checkpoint(path)
+    with caplog.at_level(logging.WARNING, logger="nedolm.train.checkpoint"):
+        assert latest_checkpoint(tmp_path, require_digest=True) == checkpoint_path(tmp_path, 1)
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert f"skipping checkpoint: {path} is corrupt: sha256 " in warning
+
+
+def test_a_sidecarless_checkpoint_with_a_flipped_byte_anywhere_is_never_resumed(
+    tmp_path: Path,
+) -> None:
+    for step in (1, 2):
+        path = save_checkpoint(tmp_path, step, _payload(step), keep_last=3, keep_every=0)
+        checksum_path(path).unlink()
+    size = path.stat().st_size
+    comment = size - len(b"nedolm-sha256:") - 64  # the zip comment: marker + hex digest
+    end_record = comment - 22  # the zip's end record: magic ... comment length
+    for offset in (0, size // 3, size // 2, end_record, comment - 2, comment, size - 1):
+        _flip_byte(path, offset)
+        assert latest_checkpoint(tmp_path, require_digest=True) == checkpoint_path(tmp_path, 1)
+        _flip_byte(path, offset)
+        assert latest_checkpoint(tmp_path, require_digest=True) == path
+
+
+def test_a_checkpoint_without_any_digest_is_skipped_unless_trusted(tmp_path: Path, caplog) -> None:
+    """Written before digests existed (plain torch.save) and without its sidecar."""
+    save_checkpoint(tmp_path, 1, _payload(1), keep_last=3, keep_every=0)
+    bare = checkpoint_path(tmp_path, 2)
+    torch.save(_payload(2), bare)
+    with caplog.at_level(logging.WARNING, logger="nedolm.train.checkpoint"):
+        assert resume_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+        [skipped] = [record.getMessage() for record in caplog.records]
+        assert skipped == (
+            f"skipping checkpoint: {bare} carries no digest (no step-00000002.pt.sha256 beside "
+            "it and none inside it), so it cannot be verified; restart with --trust-unverified "
+            "to resume from it anyway; trying the previous one"
+        )
+        caplog.clear()
+        assert resume_checkpoint(tmp_path, trust_unverified=True) == bare
+        [trusted] = [record.getMessage() for record in caplog.records]
+        assert (
+            trusted == f"resuming from {bare} unverified: it carries no digest (--trust-unverified)"
+        )
+    assert latest_checkpoint(tmp_path) == bare  # a base run's checkpoints may carry none
+    checkpoint_path(tmp_path, 1).unlink()
+    checksum_path(checkpoint_path(tmp_path, 1)).unlink()
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint in .* carries no digest"):
+        resume_checkpoint(tmp_path)
 
 
 def test_unreadable_checkpoint_is_refused_naming_it(tmp_path: Path) -> None:

@@ -34,6 +34,12 @@ from nedolm.train.trainer import run as run_training
     "(repeatable; the value is YAML, checked like a key in the file).",
 )
 @click.option(
+    "--trust-unverified",
+    is_flag=True,
+    help="Resume from a checkpoint that carries no digest (no .sha256 sidecar and none inside "
+    "it) instead of skipping it as unverifiable; same as --set train.trust_unverified=true.",
+)
+@click.option(
     "--print-config",
     is_flag=True,
     help="Print the resolved config (YAML with --set applied, every default filled in) and "
@@ -44,6 +50,7 @@ def run(
     smoke_steps: int | None,
     no_compile: bool,
     overrides: tuple[str, ...],
+    trust_unverified: bool,
     print_config: bool,
 ) -> None:
     """Fine-tune from the SFT YAML CONFIG; resumes from the run dir's latest checkpoint.
@@ -57,6 +64,8 @@ def run(
       nedolm-sft run examples/sft.yaml --set optim.lr=1e-4 --print-config
       nedolm-sft launch --standalone --nproc-per-node 8 examples/sft.yaml
     """
+    if trust_unverified:
+        overrides = (*overrides, "train.trust_unverified=true")
     try:
         cfg = load_sft_config(config, overrides)
     except ConfigError as exc:

@@ -9,15 +9,19 @@ Layout of a run directory::
 
 Every file is written to a hidden temporary name in its final directory, fsynced, renamed over
 its final name and the directory fsynced: a name matching ``step-*.pt`` is therefore always a
-complete file, and a ``kill -9`` leaves at most a ``.tmp`` file that readers ignore and the next
-save by the run directory's lock holder (``run_lock``) removes. Payloads hold only tensors and
+complete file, and a ``kill -9`` leaves at most a ``.tmp`` file (or, mid sharded save, a
+``.tmp-dcp`` directory) that readers ignore and the next save of either layout by the run
+directory's lock holder (``run_lock``) removes. Payloads hold only tensors and
 plain Python values, so every load uses ``torch.load(weights_only=True)`` and a checkpoint can
 never execute code.
 
-Each checkpoint carries a SHA-256 sidecar (``checksum``), so storage corruption (a node that
-died while the filesystem flushed, flipped bytes) is caught on read. On resume the newest
-checkpoint that fails to read or validate is skipped with a warning naming it and why, and the
-newest valid one is used; with none valid the run refuses, listing each file and its reason.
+Each checkpoint carries its SHA-256 inside it and in a sidecar (``checksum``), so storage
+corruption (a node that died while the filesystem flushed, flipped bytes) is caught on read,
+also in a copy that lost its sidecar. On resume the newest checkpoint that fails to read or
+validate is skipped with a warning naming it and why, and the newest valid one is used; with
+none valid the run refuses, listing each file and its reason. A checkpoint that carries no
+digest at all (no sidecar, none inside: written before digests existed) cannot be verified, and
+counts as invalid for a resume unless the user trusts it (``--trust-unverified``).
 Rotation never deletes the newest valid checkpoint. A save that fails for lack of space (or an
 I/O error) leaves the previous checkpoints as they were and says how much space it needed.
 """
@@ -36,7 +40,7 @@ from typing import Any
 import torch
 
 from nedolm.data.atomic import atomic_write, atomic_write_bytes, is_temporary
-from nedolm.train.checksum import HashingWriter, checksum_mismatch, checksum_path
+from nedolm.train.checksum import DigestWriter, checksum_mismatch, checksum_path, has_digest
 from nedolm.train.run_lock import holds_run_lock
 
 log = logging.getLogger(__name__)
@@ -81,11 +85,15 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def latest_checkpoint(run_dir: Path, *, require_digest: bool = False) -> Path | None:
     """The newest checkpoint under ``run_dir`` that reads and validates, or None if there is none.
 
     Newer files that fail (truncated, flipped bytes, not a checkpoint) are skipped with a
     warning naming each and why.
+
+    Args:
+        require_digest: also skip checkpoints that carry no digest (they cannot be verified).
+            Off for a base run, whose checkpoints may come from another program.
 
     Raises:
         CheckpointError: checkpoints exist but none is valid; the message lists every file
@@ -94,7 +102,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     rejected = []
     for _, path in reversed(list_checkpoints(run_dir)):
         try:
-            _validate(path)
+            _validate(path, require_digest=require_digest)
         except CheckpointError as exc:
             log.warning("skipping checkpoint: %s; trying the previous one", exc)
             rejected.append(str(exc))
@@ -105,6 +113,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             f"no valid checkpoint in {Path(run_dir) / CHECKPOINT_DIR}: " + " | ".join(rejected)
         )
     return None
+
+
+def resume_checkpoint(run_dir: Path, *, trust_unverified: bool = False) -> Path | None:
+    """The checkpoint an SFT run resumes from: the newest verified one (``latest_checkpoint``).
+
+    A run directory's own checkpoints always carry a digest; one without (a copy that lost its
+    sidecar, written by a version before the digests) is skipped, unless ``trust_unverified``
+    (``--trust-unverified``) takes the newest readable one anyway, with a warning.
+    """
+    path = latest_checkpoint(run_dir, require_digest=not trust_unverified)
+    if path is not None and trust_unverified and not _verifiable(path):
+        log.warning("resuming from %s unverified: it carries no digest (--trust-unverified)", path)
+    return path
 
 
 def rotate_checkpoints(run_dir: Path, written_step: int, keep_last: int, keep_every: int) -> None:
@@ -136,8 +157,25 @@ def _loads(path: Path) -> bool:
     return True
 
 
-def _validate(path: Path) -> None:
+def _unverifiable(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path} carries no digest (no {checksum_path(path).name} beside it and none inside "
+        "it), so it cannot be verified; restart with --trust-unverified to resume from it anyway"
+    )
+
+
+def _verifiable(path: Path) -> bool:
+    if not path.is_dir():
+        return has_digest(path)
+    from nedolm.train.sharded import has_digests
+
+    return has_digests(path)
+
+
+def _validate(path: Path, *, require_digest: bool = False) -> None:
     """Read a checkpoint of either layout, raising CheckpointError if it is not usable."""
+    if require_digest and not _verifiable(path):
+        raise _unverifiable(path)
     if not path.is_dir():
         load_checkpoint(path)
         return
@@ -157,14 +195,19 @@ def _validate(path: Path) -> None:
         raise CheckpointError(f"cannot read sharded checkpoint {path}: {exc}") from exc
 
 
-def _remove_stale_tmp(run_dir: Path, directory: Path) -> None:
-    # Only the lock holder writes here, one file at a time: any temp file (or checksum without
-    # its checkpoint) is a leftover of a killed job. Without the lock it may be another job's.
-    if directory.is_dir() and holds_run_lock(run_dir):
-        for path in directory.iterdir():
-            orphan = path.name.endswith(".pt.sha256") and not path.with_suffix("").exists()
-            if is_temporary(path) or orphan:
-                path.unlink(missing_ok=True)
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Delete what killed saves left in ``checkpoints/``: temporary files and sharded
+    directories, and sidecars without their checkpoint; only by the run directory's lock
+    holder, between saves (without the lock they may be another live job's)."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    if not (directory.is_dir() and holds_run_lock(run_dir)):
+        return
+    for path in directory.iterdir():
+        orphan = path.name.endswith(".pt.sha256") and not path.with_suffix("").exists()
+        if path.is_dir() and is_temporary(path):
+            shutil.rmtree(path)
+        elif is_temporary(path) or orphan:
+            path.unlink(missing_ok=True)
 
 
 def _payload_bytes(value: Any) -> int:
@@ -193,17 +236,11 @@ def save_checkpoint(
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     path = checkpoint_path(run_dir, step)
-    _remove_stale_tmp(Path(run_dir), path.parent)
+    remove_stale_temporaries(run_dir)
 
     def write(handle: Any) -> None:
-        hashing = HashingWriter(handle)
-        try:
-            torch.save(payload, hashing)
-        except RuntimeError as exc:
-            if hashing.error is None:
-                raise
-            raise hashing.error from exc
-        atomic_write_bytes(checksum_path(path), f"{hashing.digest.hexdigest()}\n".encode())
+        digest = _save_signed(payload, handle)
+        atomic_write_bytes(checksum_path(path), f"{digest}\n".encode())
 
     try:
         atomic_write(path, write)
@@ -218,6 +255,18 @@ def save_checkpoint(
         ) from exc
     rotate_checkpoints(Path(run_dir), step, keep_last, keep_every)
     return path
+
+
+def _save_signed(payload: dict[str, Any], handle: Any) -> str:
+    """``torch.save`` with the digest inside the file; returns the whole file's hex digest."""
+    signed = DigestWriter(handle)
+    try:
+        torch.save(payload, signed)
+    except RuntimeError as exc:
+        if signed.error is None:
+            raise
+        raise signed.error from exc
+    return signed.finish()
 
 
 def load_checkpoint(path: Path, *, verify: bool = True) -> dict[str, Any]:
@@ -241,9 +290,10 @@ def load_checkpoint(path: Path, *, verify: bool = True) -> dict[str, Any]:
 
 
 def save_model_archive(run_dir: Path, step: int, payload: dict[str, Any]) -> Path:
-    """Atomically write a weights-only archive (``payload`` = model state + metadata)."""
+    """Atomically write a weights-only archive (``payload`` = model state + metadata), its
+    digest inside it."""
     path = Path(run_dir) / ARCHIVE_DIR / f"model-{step:08d}.pt"
-    return atomic_write(path, lambda handle: torch.save(payload, handle))
+    return atomic_write(path, lambda handle: _save_signed(payload, handle))
 
 
 def write_run_metadata(run_dir: Path, entry: dict[str, Any]) -> Path:

@@ -8,7 +8,9 @@ nothing in production runs:
 - ``NEDOLM_TEST_DELAY="phase=seconds[,...]"`` sleeps at ``phase`` on every rank, so that a test
   can deliver a signal while the job is inside that phase.
 
-Phases: ``compile_warmup``, ``data_fetch``, ``validation``, ``checkpoint_write``.
+Phases: ``compile_warmup``, ``data_fetch``, ``validation``, ``checkpoint_write`` (before a save
+writes anything) and ``sharded_finish`` (inside a sharded save: every shard is on disk in the
+temporary directory, the manifest not yet).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 
-PHASES = ("compile_warmup", "data_fetch", "validation", "checkpoint_write")
+PHASES = ("compile_warmup", "data_fetch", "validation", "checkpoint_write", "sharded_finish")
 
 
 class InjectedFault(RuntimeError):

@@ -22,6 +22,7 @@ import torch
 from nedolm.dist import all_rank_call, gather_object, main_rank_call, sum_all, sync_control_flags
 from nedolm.train.checkpoint import (
     checkpoint_path,
+    remove_stale_temporaries,
     rotate_checkpoints,
     save_checkpoint,
     save_model_archive,
@@ -232,6 +233,11 @@ class Trainer:
             "sft_config": to_builtins(run.cfg),
         }
         if is_sharded(state.model):
+            main_rank_call(
+                run.info,
+                f"remove stale temporaries at step {done}",
+                lambda: remove_stale_temporaries(run.cfg.run_dir),
+            )
             path = state.save_sharded(
                 checkpoint_path(run.cfg.run_dir, done).with_suffix(""), ranks, extra
             )

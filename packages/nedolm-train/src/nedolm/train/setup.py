@@ -44,7 +44,7 @@ from nedolm.train.base import (
     load_base_weights,
     model_config,
 )
-from nedolm.train.checkpoint import latest_checkpoint, write_run_metadata
+from nedolm.train.checkpoint import resume_checkpoint, write_run_metadata
 from nedolm.train.config import RunConfig, SFTConfig, to_builtins
 from nedolm.train.contract import (
     ELASTIC_FREE,
@@ -131,7 +131,9 @@ def prepare_run(
     base_model.grad_checkpoint = cfg.train.grad_checkpoint
     base_model.to(info.device)
     resume_path = main_rank_call(
-        info, "find latest SFT checkpoint", lambda: latest_checkpoint(cfg.run_dir)
+        info,
+        "find latest SFT checkpoint",
+        lambda: resume_checkpoint(cfg.run_dir, trust_unverified=cfg.train.trust_unverified),
     )
     free = (*FREE_ON_RESUME, *ELASTIC_FREE) if cfg.train.elastic else FREE_ON_RESUME
     if resume_path is not None:

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from nedolm.data.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from nedolm.dist import all_rank_call, barrier, get_info, get_world_size, main_rank_call
 from nedolm.train.checksum import digest_mismatch, file_digests
+from nedolm.train.faults import maybe_inject
 from nedolm.train.parallel import unwrap
 
 MANIFEST = "nedolm-sharded.json"
@@ -95,6 +96,7 @@ def save_sharded(
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     barrier()  # every rank's shard is on disk
+    maybe_inject("sharded_finish", info.rank)
 
     def finish() -> None:
         if payload is not None:
@@ -131,6 +133,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"{path}: format {manifest.get('format')!r}, this version reads {_READABLE_FORMATS}"
         )
     return manifest
+
+
+def has_digests(directory: Path) -> bool:
+    """True when a complete sharded checkpoint's manifest lists its files' digests (format 2+)."""
+    return "seal" in read_manifest(directory)
 
 
 def verify_sharded(directory: Path) -> None:
