@@ -69,7 +69,7 @@ def test_init_base_then_run_a_smoke_fine_tune(
     assert result.returncode == 0, result.stderr
     state = load_checkpoint(latest_checkpoint(tmp_path / "run.smoke"))
     assert state["step"] == 2 and state["contract"]["execution"]["effective_compile"] is False
-    assert "step 2/2 loss" in result.stderr
+    assert "step 2/2 epoch " in result.stderr
     assert not (tmp_path / "run").exists()  # the smoke run leaves the real run dir alone
 
     # A second smoke run starts afresh in its scratch dir (it does not resume the first).
@@ -83,7 +83,7 @@ def test_init_base_then_run_a_smoke_fine_tune(
     real = ("run", str(config), "--no-compile", "--set", "train.max_steps=3")
     result = nedolm_sft(*real, env=QUIET_ENV)
     assert result.returncode == 0, result.stderr
-    assert "step 3/3 loss" in result.stderr and "resuming" not in result.stderr
+    assert "step 3/3 epoch " in result.stderr and "resuming" not in result.stderr
     assert load_checkpoint(latest_checkpoint(tmp_path / "run"))["step"] == 3
 
 

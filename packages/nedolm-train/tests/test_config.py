@@ -147,3 +147,10 @@ def test_bad_overrides_are_refused(tmp_path: Path, override: str, needle: str) -
     with pytest.raises(ConfigError) as err:
         load_sft_config(_write(tmp_path, MINIMAL), overrides=[override])
     assert needle in str(err.value)
+
+
+def test_max_steps_and_num_epochs_are_not_both_given(tmp_path: Path) -> None:
+    text = MINIMAL.replace("train: {}", "train: {max_steps: 10, num_epochs: 3}")
+    with pytest.raises(ConfigError, match=r"give max_steps \(10\) or num_epochs \(3\), not both"):
+        load_sft_config(_write(tmp_path, text))
+    assert load_sft_config(_write(tmp_path, MINIMAL), ["train.num_epochs=3"]).train.num_epochs == 3

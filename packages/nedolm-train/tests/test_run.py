@@ -48,7 +48,7 @@ def test_run_dir_contents_and_cadences(make_config, monkeypatch) -> None:
     resolved = json.loads((run_dir / "config.resolved.json").read_text(encoding="utf-8"))
     assert resolved["max_steps"] == 6 and resolved["corpus_stats"]["windows"] == 38
     log = (run_dir / "train.log").read_text(encoding="utf-8")
-    assert "step 6/6 loss" in log and "eta 0:00:00" in log
+    assert "step 6/6 epoch 0.32 loss" in log and "eta 0:00:00" in log
     # The end of training is a clean stop too, for a signal that reaches the launcher late.
     assert verify_stop(run_dir, "first") == 6
 
@@ -166,3 +166,21 @@ def test_a_finished_run_extends_as_a_new_stage_at_its_final_lr(make_config) -> N
     assert state["progress"]["schedule_steps"] == 4
     train, _ = split_metrics(read_metrics(run_dir))
     assert [r["lr"] for r in train[4:]] == [final_lr] * 4
+
+
+def test_num_epochs_sets_the_steps_and_the_log_shows_the_epoch(make_config) -> None:
+    config = make_config(
+        train={"max_steps": 0, "num_epochs": 2, "micro_batch_size": 2, "log_interval": 5},
+        validation={"enabled": False},
+    )
+    run(load_sft_config(config), compile=False)
+    run_dir = config.with_suffix("")
+    log = (run_dir / "train.log").read_text(encoding="utf-8")
+    # 38 training windows, 4 per step: 9.5 steps an epoch, two epochs in 19 steps.
+    assert (
+        "schedule: 19 steps = 2.00 epochs; global batch 4 windows (micro 2 x accum 2 x 1 ranks), "
+        "9.50 steps per epoch" in log
+    )
+    assert "step 10/19 epoch 1.05 loss" in log and "step 19/19 epoch 2.00 loss" in log
+    train, _ = split_metrics(read_metrics(run_dir))
+    assert train[-1]["epoch"] == 2.0

@@ -68,7 +68,9 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     micro_batch_size: int = 8
     grad_accum_steps: int = 4
     max_steps: int = 0
-    """Optimizer steps; 0 = one epoch of the training windows."""
+    """Optimizer steps; 0 = ``num_epochs`` epochs of the training windows."""
+    num_epochs: int = 1
+    """Epochs over the training windows, when ``max_steps`` is 0."""
     num_workers: int = 4
     prefetch_factor: int = 4
     persistent_workers: bool = True
@@ -130,6 +132,12 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
         if self.num_workers < 0 or self.max_steps < 0 or self.keep_every < 0:
             raise ValueError("num_workers, max_steps and keep_every must be >= 0")
+        if self.num_epochs < 1:
+            raise ValueError(f"num_epochs must be >= 1, got {self.num_epochs}")
+        if self.max_steps and self.num_epochs != 1:
+            raise ValueError(
+                f"give max_steps ({self.max_steps}) or num_epochs ({self.num_epochs}), not both"
+            )
         if self.max_hours < 0 or self.archive_interval_hours < 0:
             raise ValueError("max_hours and archive_interval_hours must be >= 0")
 

@@ -122,6 +122,7 @@ class Trainer:
         done = self.state.progress.step
         record = {
             "step": done,
+            "epoch": done / run.steps_per_epoch,
             "loss": loss,
             "ppl": math.exp(min(20.0, loss)),
             "lr": lr,
@@ -141,9 +142,10 @@ class Trainer:
             assert self.writer is not None  # rank 0 owns the writer
             self.writer.write(record)
             log.info(
-                "step %d/%d loss %.4f lr %.3e gn %.3f %.0f tok/s eta %s",
+                "step %d/%d epoch %.2f loss %.4f lr %.3e gn %.3f %.0f tok/s eta %s",
                 done,
                 run.max_steps,
+                record["epoch"],
                 loss,
                 lr,
                 record["grad_norm"],

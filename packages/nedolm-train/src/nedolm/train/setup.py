@@ -75,6 +75,8 @@ class Run:
     info: DistInfo
     seq_len: int
     max_steps: int
+    steps_per_epoch: float
+    """Optimizer steps of one pass over the training windows (the global batch into them)."""
     state: TrainState
     """Bare model, optimizer, progress, loader: what a checkpoint saves and restores."""
     model: nn.Module
@@ -117,7 +119,10 @@ def prepare_run(
     all_rank_call(info, "check runtime", lambda: _check_runtime(model_cfg, seq_len, info.device))
     main_rank_call(info, "check corpus tokenizer", lambda: check_base_tokenizer(cfg, run_config))
     data = _prepare_data(cfg, info, run_config, model_cfg, seq_len)
-    max_steps = smoke_steps or cfg.train.max_steps or _one_epoch_steps(cfg, info, data.stats)
+    steps_per_epoch = _steps_per_epoch(cfg, info, data.stats)
+    epochs_steps = max(1, math.ceil(cfg.train.num_epochs * steps_per_epoch))
+    max_steps = smoke_steps or cfg.train.max_steps or epochs_steps
+    _log_schedule(cfg, info, max_steps, steps_per_epoch)
     recipe = _recipe(cfg, model_cfg, max_steps)
     contract = {
         "dataset": data.contract,
@@ -195,6 +200,7 @@ def prepare_run(
         info=info,
         seq_len=seq_len,
         max_steps=max_steps,
+        steps_per_epoch=steps_per_epoch,
         state=state,
         model=model,
         settings=settings,
@@ -285,9 +291,27 @@ def _prepare_data(
     return data
 
 
-def _one_epoch_steps(cfg: SFTConfig, info: DistInfo, stats: dict[str, Any]) -> int:
-    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
-    return max(1, math.ceil(int(stats["windows"]) / per_step))
+def _global_batch(cfg: SFTConfig, info: DistInfo) -> int:
+    return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
+
+
+def _steps_per_epoch(cfg: SFTConfig, info: DistInfo, stats: dict[str, Any]) -> float:
+    return int(stats["windows"]) / _global_batch(cfg, info)
+
+
+def _log_schedule(cfg: SFTConfig, info: DistInfo, max_steps: int, steps_per_epoch: float) -> None:
+    t = cfg.train
+    log.info(
+        "schedule: %d steps = %.2f epochs; global batch %d windows (micro %d x accum %d x "
+        "%d ranks), %.2f steps per epoch",
+        max_steps,
+        max_steps / steps_per_epoch,
+        _global_batch(cfg, info),
+        t.micro_batch_size,
+        t.grad_accum_steps,
+        info.world_size,
+        steps_per_epoch,
+    )
 
 
 def _recipe(cfg: SFTConfig, model_cfg: ModelConfig, max_steps: int) -> dict[str, Any]:
