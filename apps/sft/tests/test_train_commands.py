@@ -139,3 +139,31 @@ def test_init_base_usage_errors_name_the_problem(args: list[str], needle: str) -
     result = CliRunner().invoke(cli, ["init-base", *args])
     assert result.exit_code != 0
     assert needle in result.output or needle in str(result.exception)
+
+
+@pytest.mark.parametrize("command", ["run", "launch"])
+def test_a_missing_corpus_is_named_and_leaves_no_run_dir(
+    nedolm_sft: RunCli, tmp_path: Path, command: str
+) -> None:
+    config = tmp_path / "sft.yaml"
+    config.write_text("run_dir: run\nbase_hf_dir: hf\ndata_dir: corpus\n", encoding="utf-8")
+    result = nedolm_sft(command, str(config), env=QUIET_ENV)
+    assert result.returncode == 2
+    assert f"data_dir {tmp_path / 'corpus'} does not exist" in result.stderr
+    assert "SPECIAL_TOKENS" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_inside_the_corpus_is_refused(
+    nedolm_sft: RunCli, corpus: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "sft.yaml"
+    run_dir = corpus / "runs" / "sft"
+    config.write_text(
+        yaml.safe_dump({"run_dir": str(run_dir), "base_hf_dir": "hf", "data_dir": str(corpus)}),
+        encoding="utf-8",
+    )
+    result = nedolm_sft("run", str(config), env=QUIET_ENV)
+    assert result.returncode == 2
+    assert f"run_dir {run_dir} is inside the corpus data_dir {corpus}" in result.stderr
+    assert not (corpus / "runs").exists()

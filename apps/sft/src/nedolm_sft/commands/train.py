@@ -11,7 +11,7 @@ from nedolm.data.format import read_special_tokens
 from nedolm.data.tokenizer import TokenizerError, load_tokenizer
 from nedolm.model import HFImportError, morph_classes_from_vocab, preset_names
 from nedolm.train.base import import_hf_base, init_base
-from nedolm.train.config import ConfigError, dump_config, load_sft_config
+from nedolm.train.config import ConfigError, check_run_paths, dump_config, load_sft_config
 from nedolm.train.trainer import run as run_training
 
 
@@ -73,6 +73,10 @@ def run(
     if print_config:
         click.echo(dump_config(cfg), nl=False)
         return
+    try:
+        check_run_paths(cfg)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
     run_training(cfg, smoke_steps=smoke_steps, compile=not no_compile)
 
 

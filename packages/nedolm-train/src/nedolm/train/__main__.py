@@ -15,7 +15,7 @@ from nedolm.train.signals import StopRequest
 def main() -> None:
     # Before torch is imported (seconds): a SIGTERM during startup is kept, not fatal.
     stop = StopRequest().install()
-    from nedolm.train.config import load_sft_config
+    from nedolm.train.config import check_run_paths, load_sft_config
     from nedolm.train.trainer import run
 
     parser = argparse.ArgumentParser(prog="python -m nedolm.train", description=__doc__)
@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
     cfg = load_sft_config(args.config)
+    check_run_paths(cfg)
     run(cfg, smoke_steps=args.smoke_steps, compile=not args.no_compile, stop=stop)
 
 

@@ -267,6 +267,24 @@ def load_sft_config(path: str | Path, overrides: Sequence[str] = ()) -> SFTConfi
     )
 
 
+def check_run_paths(cfg: SFTConfig) -> None:
+    """Refuse, before a run dir is created, a corpus that is not there or a run dir inside it.
+
+    A missing ``data_dir`` would otherwise surface later as a missing contract file, after the
+    run dir was made; a run dir inside the corpus would write checkpoints among its shards.
+    """
+    if not cfg.data_dir.is_dir():
+        what = "is not a directory" if cfg.data_dir.exists() else "does not exist"
+        raise ConfigError(
+            f"data_dir {cfg.data_dir} {what}: prepare a corpus there first (nedolm-sft prepare)"
+        )
+    if cfg.run_dir.resolve().is_relative_to(cfg.data_dir.resolve()):
+        raise ConfigError(
+            f"run_dir {cfg.run_dir} is inside the corpus data_dir {cfg.data_dir}: put runs "
+            "beside the corpus, not in it"
+        )
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a pretraining run config YAML."""
     return _decode(Path(path), RunConfig)
