@@ -30,6 +30,7 @@ import yaml
 from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
 from nedolm.train.metrics import read_metrics
+from nedolm.train.signals import STOP_SIGNALS
 from nedolm.train.testing import init_tiny_base
 
 FIXTURES = Path(__file__).resolve().parents[2] / "nedolm-data" / "tests" / "fixtures"
@@ -81,8 +82,8 @@ gradient norm, so the factors of a binding clip differ in the last bits."""
 
 @pytest.fixture(autouse=True)
 def _restore_signal_handlers() -> Iterator[None]:
-    """In-process runs install SIGTERM/SIGUSR1 handlers; give pytest its own back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    """In-process runs install SIGTERM/SIGUSR1/SIGINT handlers; give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     yield
     for signum, handler in saved.items():
         signal.signal(signum, handler)

@@ -16,6 +16,7 @@ import yaml
 from nedolm.data.contract import aggregate_sha256, hash_entries
 from nedolm.data.format import read_array, write_array
 from nedolm.train.config import load_sft_config
+from nedolm.train.signals import STOP_SIGNALS
 from nedolm.train.trainer import run
 
 
@@ -144,7 +145,7 @@ def checkpointed(harness, tmp_path_factory, corpus, base_run) -> Path:
     config = harness.write_config(
         root / "run.yaml", corpus, base_run, root / "run", train={"max_steps": 2}
     )
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
         _run(config)
     finally:

@@ -1,4 +1,5 @@
-"""Real signals to this process set the stop request; the fault hooks parse strictly."""
+"""Real signals to this process set the stop request (a second SIGINT aborts), each saying so in
+one line; the fault hooks parse strictly."""
 
 from __future__ import annotations
 
@@ -9,18 +10,55 @@ import time
 import pytest
 
 from nedolm.train.faults import InjectedFault, maybe_inject
-from nedolm.train.signals import StopRequest
+from nedolm.train.signals import StopRequest, claim, install_early
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_signal_sets_the_stop_request(signum: int) -> None:
-    stop = StopRequest().install()
-    assert not stop.requested and stop.describe() == "requested by another rank"
+def deliver(signum: int) -> None:
     os.kill(os.getpid(), signum)
     time.sleep(0.01)  # CPython runs the handler at the next bytecode boundary
-    assert stop.requested and stop.describe() == signal.Signals(signum).name
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_signal_sets_the_stop_request_and_says_so_once(
+    signum: int, capfd: pytest.CaptureFixture[str]
+) -> None:
+    stop = StopRequest().install()
+    assert not stop.requested and stop.describe() == "requested by another rank"
+    deliver(signum)
+    name = signal.Signals(signum).name
+    assert stop.requested and stop.describe() == name
     stop.request("max_hours")  # the first reason is kept
-    assert stop.describe() == signal.Signals(signum).name
+    assert stop.describe() == name
+    [line] = capfd.readouterr().err.splitlines()
+    assert line.startswith(f"nedolm: {name} received: stopping at the next control point")
+    assert "a checkpoint is coming" in line
+    assert ("Ctrl-C again aborts" in line) == (signum == signal.SIGINT)
+
+
+def test_the_second_sigint_aborts_and_a_repeated_sigterm_does_not(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    stop = StopRequest().install()
+    deliver(signal.SIGTERM)
+    deliver(signal.SIGTERM)
+    deliver(signal.SIGINT)  # the first Ctrl-C, after a scheduler's stop: still a clean stop
+    with pytest.raises(KeyboardInterrupt):
+        deliver(signal.SIGINT)
+    assert stop.describe() == "SIGTERM"
+    assert capfd.readouterr().err.splitlines()[1:] == [
+        "nedolm: SIGTERM received: already stopping",
+        "nedolm: SIGINT received: already stopping",
+        "nedolm: SIGINT again: aborting now, without a checkpoint",
+    ]
+
+
+def test_the_trainer_claims_the_request_installed_early_once() -> None:
+    early = install_early()
+    deliver(signal.SIGUSR1)
+    assert claim() is early and early.requested
+    later = claim()  # a second run in this process starts with a fresh request
+    assert later is not early and not later.requested
+    assert signal.getsignal(signal.SIGTERM) == later._handle
 
 
 def test_fault_hooks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,13 @@ import torch
 
 from nedolm.dist import get_info
 from nedolm.train.checkpoint import checkpoint_path, save_checkpoint
-from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, record_stop, verify_stop
+from nedolm.train.stop_record import (
+    LAUNCH_ID_ENV,
+    CleanStop,
+    UncleanStop,
+    record_stop,
+    verify_stop,
+)
 
 
 def save(run_dir: Path, step: int) -> Path:
@@ -30,7 +36,23 @@ def stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_a_clean_stop_of_this_launch_is_accepted(stopped: Path) -> None:
-    assert verify_stop(stopped, "this") == 5
+    assert verify_stop(stopped, "this") == CleanStop(step=5, trained=True)
+
+
+def test_a_stop_before_the_first_step_of_a_fresh_run_is_accepted_with_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LAUNCH_ID_ENV, "this")
+    record_stop(get_info(), tmp_path, 0, trained=False)
+    assert verify_stop(tmp_path, "this") == CleanStop(step=0, trained=False)
+    save(tmp_path, 3)  # a checkpoint the record does not account for
+    with pytest.raises(UncleanStop, match=r"stopped at step 0 but .* is .*step-00000003\.pt"):
+        verify_stop(tmp_path, "this")
+
+
+def test_a_stop_before_the_first_step_of_a_resume_names_its_checkpoint(stopped: Path) -> None:
+    record_stop(get_info(), stopped, 5, trained=False)
+    assert verify_stop(stopped, "this") == CleanStop(step=5, trained=False)
 
 
 def test_a_record_of_an_earlier_launch_is_refused(stopped: Path) -> None:

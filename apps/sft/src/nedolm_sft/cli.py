@@ -1,16 +1,55 @@
-"""The ``nedolm-sft`` click group. Each command lives in its own module under ``commands``."""
+"""The ``nedolm-sft`` click group. Each command lives in its own module under ``commands``.
+
+Commands are imported only when invoked (``LazyGroup``): importing them all would import torch,
+seconds before ``main`` could install the stop-signal handlers of ``run`` and ``launch``, and a
+SIGTERM in those seconds would kill the job with no word of why.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
 
-from nedolm_sft import __version__
+from nedolm.train.signals import install_early
+
+COMMANDS = {
+    "plot": "plot:plot",
+    "prepare": "data:prepare",
+    "verify": "data:verify",
+    "stats": "data:stats",
+    "export": "export:export",
+    "generate": "generate:generate",
+    "chat": "generate:chat",
+    "demo": "demo:demo",
+    "run": "train:run",
+    "init-base": "train:init_base_command",
+    "import-hf": "train:import_hf_command",
+    "inspect": "inspect:inspect",
+    "launch": "launch:launch",
+}
+"""Command name -> ``module:attribute`` under ``nedolm_sft.commands``."""
+STOPPABLE = ("run", "launch")
+"""Commands that turn SIGTERM/SIGUSR1/SIGINT into a clean stop (``nedolm.train.signals``)."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="nedolm-sft")
+class LazyGroup(click.Group):
+    """A group whose commands (``COMMANDS``) are imported when looked up."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module, _, attribute = target.partition(":")
+        return getattr(importlib.import_module(f"nedolm_sft.commands.{module}"), attribute)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="nedolm-sft", prog_name="nedolm-sft")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
@@ -29,6 +68,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 def main() -> None:
     """Run the CLI; user mistakes end in one clear line, ``--debug`` shows the traceback."""
+    if _command_name(sys.argv[1:]) in STOPPABLE:
+        install_early()  # first: the imports below take seconds
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
@@ -47,33 +88,6 @@ def main() -> None:
         sys.exit(1)
 
 
-# Command registration: each module under nedolm_sft.commands adds its commands here.
-from nedolm_sft.commands.plot import plot  # noqa: E402
-
-cli.add_command(plot)
-from nedolm_sft.commands.data import prepare, stats, verify  # noqa: E402
-
-cli.add_command(prepare)
-cli.add_command(verify)
-cli.add_command(stats)
-from nedolm_sft.commands.export import export  # noqa: E402
-from nedolm_sft.commands.generate import chat, generate  # noqa: E402
-
-cli.add_command(export)
-cli.add_command(generate)
-cli.add_command(chat)
-from nedolm_sft.commands.demo import demo  # noqa: E402
-
-cli.add_command(demo)
-
-from nedolm_sft.commands.train import import_hf_command, init_base_command, run  # noqa: E402
-
-cli.add_command(run)
-cli.add_command(init_base_command)
-cli.add_command(import_hf_command)
-from nedolm_sft.commands.inspect import inspect  # noqa: E402
-
-cli.add_command(inspect)
-from nedolm_sft.commands.launch import launch  # noqa: E402
-
-cli.add_command(launch)
+def _command_name(args: list[str]) -> str | None:
+    """The subcommand in ``args``: the first argument that is not a group option."""
+    return next((arg for arg in args if not arg.startswith("-")), None)

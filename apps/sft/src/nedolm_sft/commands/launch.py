@@ -6,22 +6,33 @@ own SignalException, even when every rank stopped on a consistent checkpoint. Th
 that same agent in this process (torch's own parser, rendezvous and worker management), so the
 process a scheduler signals is the agent; when it raises, the stop record that rank 0 writes
 after a clean stop (``nedolm.train.stop_record``) decides the exit status.
+
+Two gaps of torch's handling are closed here (``_LauncherSignals``). Before the agent starts the
+workers it has no handlers, so a signal then (the CLI keeps one that came during the imports)
+ends the launch with exit 0 and "before any rank started". And the agent would forward a
+SIGINT as a SIGINT, but a terminal's Ctrl-C already reaches every worker directly, so the
+forwarded one would be their second (an abort): SIGINT stays this module's, and the agent
+forwards a SIGTERM for it; a second Ctrl-C aborts (exit 130), naming the checkpoint left.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
+from types import FrameType
 
 import click
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from nedolm.train.config import ConfigError, dump_config, load_sft_config
-from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, verify_stop
+from nedolm.train.config import ConfigError, check_run_paths, dump_config, load_sft_config
+from nedolm.train.signals import claim
+from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, left_behind, verify_stop
 
 # torchrun's default signals plus SIGUSR1, SLURM's usual pre-emption warning; the workers
 # treat SIGTERM and SIGUSR1 as a stop request. ``--signals-to-handle`` still overrides this.
@@ -39,8 +50,9 @@ def launch(argv: tuple[str, ...]) -> None:
     """Start ``nedolm-sft run CONFIG [RUN OPTIONS]`` on every rank, like torchrun.
 
     Takes torchrun's options (``torchrun --help``). A signal to this process (SIGTERM,
-    SIGUSR1, ...) stops every rank on one checkpoint: exit 0 when that worked, else
-    128 + the signal number with the reason. A failed rank exits 1.
+    SIGUSR1, Ctrl-C, ...) stops every rank on one checkpoint: exit 0 when that worked (or when
+    it came before the first step: nothing to save), else 128 + the signal number with the
+    reason. A second Ctrl-C aborts (exit 130). A failed rank exits 1.
 
     \b
     Example:
@@ -64,30 +76,87 @@ def launch(argv: tuple[str, ...]) -> None:
     if "--print-config" in args.training_script_args:
         click.echo(dump_config(cfg), nl=False)
         return
+    try:
+        check_run_paths(cfg)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
     launch_id = uuid.uuid4().hex
     os.environ[LAUNCH_ID_ENV] = launch_id  # inherited by this node's workers
     args.module, args.training_script = True, "nedolm_sft"
     args.training_script_args = ["run", str(config), *args.training_script_args]
+    signals = _LauncherSignals(args)
+    early = claim()  # the CLI's handlers, installed before the imports
+    if early.requested:
+        _stopped_before_start(early.describe())
+        return
     try:
         torchrun.run(args)
     except SignalException as exc:
-        signal_name = exc.sigval.name
+        signal_name = (signals.first or exc.sigval).name
+        if signals.before_start:
+            _stopped_before_start(signal_name)
+            return
         try:
-            step = verify_stop(cfg.run_dir, launch_id)
+            stop = verify_stop(cfg.run_dir, launch_id)
         except UncleanStop as unclean:
             click.echo(f"launch: {signal_name}: the job did not stop cleanly: {unclean}", err=True)
             sys.exit(128 + exc.sigval)
+        if stop.trained:
+            where = f"stopped at step {stop.step} on a valid checkpoint"
+        else:
+            where = f"stopped before step {stop.step + 1}; nothing to save"
         click.echo(
-            f"launch: {signal_name}: every rank stopped at step {step} on a valid checkpoint; "
-            "re-run the same command to resume",
+            f"launch: {signal_name}: every rank {where}; re-run the same command to resume",
             err=True,
         )
+    except KeyboardInterrupt:
+        click.echo(f"launch: aborted by a second SIGINT: {left_behind(cfg.run_dir)}", err=True)
+        sys.exit(128 + signal.SIGINT)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise click.ClickException(
             f"rank {rank} failed first (exit code {failure.exitcode}; its log is above); "
             "fix the cause and re-run the same command to resume from the last checkpoint"
         ) from exc
+
+
+class _LauncherSignals:
+    """This process's handlers for torch's signals until the agent installs its own (when it
+    starts the workers), and for SIGINT throughout (see the module doc)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        names = [name.strip() for name in args.signals_to_handle.split(",")]
+        handled = [signal.Signals[name] for name in names if name]
+        self.torch_signals = [s for s in handled if s != signal.SIGINT]
+        args.signals_to_handle = ",".join(s.name for s in self.torch_signals)
+        self.first: signal.Signals | None = None
+        self.before_start = False
+        self.interrupts = 0
+        for signum in handled:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        received = signal.Signals(signum)
+        if received == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                raise KeyboardInterrupt
+        if self.first is None:
+            self.first = received
+            self.before_start = not self._agent_handles_signals()
+        forwarded = signal.SIGTERM if received == signal.SIGINT else received
+        raise SignalException(f"Process {os.getpid()} got signal: {received}", sigval=forwarded)
+
+    def _agent_handles_signals(self) -> bool:
+        return any(signal.getsignal(s) != self._handle for s in self.torch_signals)
+
+
+def _stopped_before_start(reason: str) -> None:
+    click.echo(
+        f"launch: {reason}: stopped before any rank started; nothing to save; "
+        "re-run the same command to start",
+        err=True,
+    )
 
 
 def _overrides(run_args: list[str]) -> list[str]:

@@ -17,14 +17,16 @@ from nedolm.dist import (
     main_rank_call,
     raise_if_peers_lost,
     setup_distributed,
+    sync_control_flags,
 )
+from nedolm.train.checkpoint import checkpoint_step, latest_checkpoint
 from nedolm.train.config import SFTConfig
 from nedolm.train.loop import Trainer
 from nedolm.train.metrics import MetricsWriter, setup_logging
 from nedolm.train.run_lock import LOCK_FILE, run_dir_lock
 from nedolm.train.setup import prepare_run
-from nedolm.train.signals import StopRequest
-from nedolm.train.stop_record import record_stop
+from nedolm.train.signals import StopRequest, claim
+from nedolm.train.stop_record import left_behind, record_stop
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +41,20 @@ def run(
     """Fine-tune per ``cfg`` in this process (one rank of a torchrun/SLURM job, or alone).
 
     Rank 0 holds the run directory's lock throughout (``run_lock``). Returns normally when
-    the run finished or stopped on request (SIGTERM, SIGUSR1, ``max_hours``) after writing a
-    checkpoint and, on a stop, the stop record (``stop_record``); raises on any failure, on every rank (naming the lost ranks when peers died).
+    the run finished or stopped on request (SIGTERM, SIGUSR1, a first SIGINT, ``max_hours``)
+    after writing a checkpoint and, on a stop, the stop record (``stop_record``); a stop agreed
+    before the first step (during setup or the compile warm-up) returns without training or
+    saving. Raises on any failure, on every rank (naming the lost ranks when peers died); a
+    second SIGINT raises ``KeyboardInterrupt`` after logging which checkpoint is left.
 
     Args:
         smoke_steps: run this many optimizer steps instead of the configured number, in the
             scratch dir ``smoke_run_dir(cfg.run_dir)`` (emptied first), not in the run dir.
         compile: False forces eager mode (``--no-compile``).
-        stop: a StopRequest installed earlier (e.g. before heavy imports); default: one is
-            installed now, before anything slow, so a signal during setup is not fatal.
+        stop: a StopRequest installed earlier; default: the one ``signals.install_early``
+            installed before the heavy imports, else one installed now, before anything slow.
     """
-    stop = stop or StopRequest().install()
+    stop = stop or claim()
     if smoke_steps is not None:
         cfg = msgspec.structs.replace(cfg, run_dir=smoke_run_dir(cfg.run_dir))
     info = setup_distributed()
@@ -58,6 +63,10 @@ def run(
             _train(cfg, info, stop, smoke_steps=smoke_steps, compile=compile)
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)  # frames would keep the DDP model alive
+        if isinstance(exc, KeyboardInterrupt):
+            if info.is_main:
+                log.warning("aborted by a second SIGINT: %s", left_behind(cfg.run_dir))
+            raise
         raise_if_peers_lost(exc)
         raise
     finally:
@@ -74,7 +83,14 @@ def _train(
     main_rank_call(info, "create run directory", lambda: _make_run_dir(cfg, scratch=scratch))
     setup_logging(cfg.run_dir if info.is_main else None)
     _log_start(cfg, info)
+    if _stop_agreed(stop):  # a signal during the imports: do not even read the base
+        step = main_rank_call(info, "find latest SFT checkpoint", lambda: _newest_step(cfg))
+        _stopped_before_start(cfg, info, stop, step)
+        return
     run_state = prepare_run(cfg, info, smoke_steps=smoke_steps, allow_compile=compile)
+    if _stop_agreed(stop):  # e.g. during the compile warm-up: no need to train a step first
+        _stopped_before_start(cfg, info, stop, run_state.state.progress.step)
+        return
     writer = all_rank_call(
         info, "open metrics", lambda: MetricsWriter(cfg.run_dir) if info.is_main else None
     )
@@ -84,7 +100,25 @@ def _train(
         if writer is not None:
             writer.close()
     if stopped or cfg.train.save_final_checkpoint:  # a signal may come as training ends
-        record_stop(info, cfg.run_dir, run_state.state.progress.step)
+        record_stop(info, cfg.run_dir, run_state.state.progress.step, trained=True)
+
+
+def _stop_agreed(stop: StopRequest) -> bool:
+    """Collective: did any rank ask to stop?"""
+    return sync_control_flags(rank0_archive_due=False, local_stop=stop.requested)[1]
+
+
+def _stopped_before_start(cfg: SFTConfig, info: DistInfo, stop: StopRequest, step: int) -> None:
+    """End a job that trained no step: nothing new to save, but a stop record for ``launch``."""
+    log.warning(
+        "stop requested (%s): stopped before step %d; nothing to save", stop.describe(), step + 1
+    )
+    record_stop(info, cfg.run_dir, step, trained=False)
+
+
+def _newest_step(cfg: SFTConfig) -> int:
+    newest = latest_checkpoint(cfg.run_dir)
+    return 0 if newest is None else checkpoint_step(newest)
 
 
 def smoke_run_dir(run_dir: Path) -> Path:

@@ -1,0 +1,188 @@
+"""Stop signals to ``nedolm-sft run`` and ``launch`` as real processes: a SIGTERM/SIGUSR1 during
+the imports or the compile warm-up ends the job with exit 0 before step 1 (nothing to save, no
+checkpoint), a first Ctrl-C stops on a checkpoint, a second one aborts naming the checkpoint
+left, and each signal says so in one line when it arrives."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
+from nedolm.train.metrics import read_metrics
+from nedolm.train.stop_record import STOP_RECORD
+from nedolm.train.testing import LaunchedJob, init_tiny_base
+
+pytestmark = pytest.mark.slow
+SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
+MAX_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    out = tmp_path_factory.mktemp("base") / "base"
+    return init_tiny_base(out, corpus, {**SMALL, "max_seq_len": 256}, seed=1)
+
+
+def write_config(path: Path, corpus: Path, base: Path, **train: object) -> Path:
+    """An SFT YAML whose run dir is ``path`` without its suffix; a stop is honoured each step."""
+    doc = {
+        "run_dir": str(path.with_suffix("")),
+        "base_config": str(base / "config.yaml"),
+        "base_run_dir": str(base),
+        "data_dir": str(corpus),
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "train": {
+            "seq_len": 256,
+            "micro_batch_size": 1,
+            "grad_accum_steps": 1,
+            "max_steps": MAX_STEPS,
+            "num_workers": 0,
+            "compile": False,
+            "compile_backend": "aot_eager",
+            "log_interval": 1,
+            "control_interval": 1,
+            "ckpt_interval": 1000,
+            **train,
+        },
+        "validation": {"enabled": False},
+    }
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
+def run(config: Path, *options: str, env: dict[str, str] | None = None) -> LaunchedJob:
+    """``python -m nedolm_sft run CONFIG OPTIONS`` in its own session, output in a file."""
+    return LaunchedJob(
+        [sys.executable, "-m", "nedolm_sft", "run", str(config), *options], config, env
+    )
+
+
+def launch(config: Path, env: dict[str, str] | None = None) -> LaunchedJob:
+    """``nedolm-sft launch --standalone --nproc-per-node 2 CONFIG`` (compile as configured)."""
+    cmd = [sys.executable, "-m", "nedolm_sft", "launch", "--standalone", "--nproc-per-node", "2"]
+    return LaunchedJob([*cmd, str(config)], config, {"NEDOLM_DIST_TIMEOUT_S": "30", **(env or {})})
+
+
+def wait_for_log(job: LaunchedJob, needle: str, count: int = 1) -> None:
+    """Until ``needle`` is in the run's train.log ``count`` times; the job must not exit first."""
+    log = job.run_dir / "train.log"
+    wait_for(job, lambda: log.exists() and log.read_text(encoding="utf-8").count(needle) >= count)
+
+
+def wait_for(job: LaunchedJob, predicate: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 180
+    while not predicate():
+        if job.proc.poll() is not None:
+            pytest.fail(f"the job exited first:\n{job.output()[-3000:]}")
+        if time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"timed out:\n{job.output()[-3000:]}")
+        time.sleep(0.05)
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def assert_stopped_before_step_1(run_dir: Path) -> None:
+    """No step trained, no checkpoint, and a stop record that says so."""
+    assert trained_steps(run_dir) == []
+    assert list_checkpoints(run_dir) == []
+    record = json.loads((run_dir / STOP_RECORD).read_text(encoding="utf-8"))
+    assert (record["step"], record["trained"]) == (0, False)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_during_the_imports_exits_0_before_step_1_with_nothing_saved(
+    corpus: Path, base: Path, tmp_path: Path, signum: int
+) -> None:
+    config = write_config(tmp_path / "early.yaml", corpus, base)
+    job = run(config)
+    time.sleep(0.2)  # torch is still being imported: before the fix this killed the process
+    os.kill(job.proc.pid, signum)
+    code, out = job.wait(), job.output()
+    name = signal.Signals(signum).name
+    assert code == 0, out[-3000:]
+    assert f"nedolm: {name} received: stopping at the next control point" in out
+    assert f"stop requested ({name}): stopped before step 1; nothing to save" in out
+    assert_stopped_before_step_1(config.with_suffix(""))
+
+
+def test_a_sigterm_during_the_compile_warm_up_stops_without_training_a_step(
+    corpus: Path, base: Path, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path / "warmup.yaml", corpus, base, compile=True)
+    # The delay sits inside the warm-up, before torch.compile runs: room to signal there.
+    job = run(config, env={"NEDOLM_TEST_DELAY": "compile_warmup=3"})
+    wait_for_log(job, "compile warm-up started")
+    os.kill(job.proc.pid, signal.SIGTERM)
+    job.wait_ok()
+    run_dir = job.run_dir
+    log = (run_dir / "train.log").read_text(encoding="utf-8")
+    assert "compile warm-up done" in log  # the warm-up finished; then no step was trained
+    assert "stop requested (SIGTERM): stopped before step 1; nothing to save" in log
+    assert "training steps" not in log
+    assert_stopped_before_step_1(run_dir)
+
+
+def test_first_ctrl_c_stops_on_a_checkpoint_and_a_second_aborts_naming_the_one_left(
+    corpus: Path, base: Path, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path / "ctrl-c.yaml", corpus, base)
+    job = run(config, "--no-compile", env={"NEDOLM_TEST_DELAY": "data_fetch=0.3"})
+    job.wait_for_step(2)
+    os.kill(job.proc.pid, signal.SIGINT)
+    job.wait_ok()
+    run_dir, out = job.run_dir, job.output()
+    [(stopped, path)] = list_checkpoints(run_dir)
+    assert 2 <= stopped < MAX_STEPS and load_checkpoint(path)["step"] == stopped
+    assert (
+        "nedolm: SIGINT received: stopping at the next control point; a checkpoint is coming "
+        "(Ctrl-C again aborts without it)"
+    ) in out
+    assert f"stop requested (SIGINT): stopped at step {stopped}" in out
+
+    # The resume: a second Ctrl-C while its stop checkpoint is being written aborts it.
+    files = sorted((run_dir / "checkpoints").iterdir())
+    slow_save = {"NEDOLM_TEST_DELAY": "data_fetch=0.3,checkpoint_write=60"}
+    job = run(config, "--no-compile", env=slow_save)
+    job.wait_for_step(stopped + 1)
+    os.kill(job.proc.pid, signal.SIGINT)
+    wait_for_log(job, "writing checkpoint at step", count=2)  # the first job's and this one's
+    os.kill(job.proc.pid, signal.SIGINT)
+    code, out = job.wait(), job.output()
+    assert code == 128 + signal.SIGINT, out[-3000:]
+    assert "nedolm: SIGINT again: aborting now, without a checkpoint" in out
+    assert f"aborted by a second SIGINT: the newest valid checkpoint is {path}" in out
+    assert sorted((run_dir / "checkpoints").iterdir()) == files  # nothing half-written
+
+
+def test_a_sigterm_to_the_launcher_before_any_rank_trained_exits_0(
+    corpus: Path, base: Path, tmp_path: Path
+) -> None:
+    job = launch(write_config(tmp_path / "early.yaml", corpus, base))
+    time.sleep(0.2)  # the launcher is still importing torch; no rank exists yet
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait() == 0, job.output()[-3000:]
+    assert "launch: SIGTERM: stopped before any rank started; nothing to save" in job.output()
+    assert not (job.run_dir / "train.log").exists()
+
+    warmup = write_config(tmp_path / "warmup.yaml", corpus, base, compile=True)
+    job = launch(warmup, env={"NEDOLM_TEST_DELAY": "compile_warmup=3"})
+    wait_for_log(job, "compile warm-up started")
+    os.kill(job.proc.pid, signal.SIGTERM)  # the ranks are up, in the warm-up
+    assert job.wait() == 0, job.output()[-3000:]
+    out = job.output()
+    for rank in (0, 1):
+        assert f"[rank {rank}] WARNING stop requested (SIGTERM): stopped before step 1" in out
+    assert "launch: SIGTERM: every rank stopped before step 1; nothing to save" in out
+    assert_stopped_before_step_1(job.run_dir)
