@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from nedolm.data.records import ROLE_HEADERS
 from nedolm.data.render import is_tool_call_line
 
 PACKING_AUDIT = "PACKING_POLICY_ADAPTIVE_AUDIT.json"
+TARGET_OPEN, TARGET_CLOSE = "[[", "]]"
+"""How targets are marked when colour is off (piped output, NO_COLOR): ``[[trained text]]``."""
 
 
 def audited_seq_len(data_dir: Path) -> int:
@@ -35,20 +39,32 @@ def audited_seq_len(data_dir: Path) -> int:
         raise click.UsageError(f"{path} has no usable seq_len ({exc}); pass --seq-len") from exc
 
 
-def render_piece(piece: PieceView, decode: Callable[[list[int]], str] | None) -> str:
-    """A piece as text: role markers at message starts, targets in bold green."""
+def colour_on() -> bool:
+    """Whether ``inspect`` styles its text: when click would keep the styles (a terminal, or a
+    caller forcing colour) and ``NO_COLOR`` is unset (https://no-color.org)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    return not click.utils.should_strip_ansi(sys.stdout, click.get_current_context().color)
+
+
+def render_piece(
+    piece: PieceView, decode: Callable[[list[int]], str] | None, colour: bool = True
+) -> str:
+    """A piece as text: role markers at message starts, targets in bold green, or marked
+    ``[[...]]`` without colour (styles alone would vanish from piped output)."""
+    style = click.style if colour else _unstyled
     head = (
         f"── shard {piece.shard_id} doc {piece.doc} (key {piece.doc_key:016x}) "
         f"tokens [{piece.start}, {piece.end}) targets from {piece.target_from} ──"
     )
-    out = [click.style(head, dim=True), "\n"]
+    out = [style(head, dim=True), "\n"]
     for run in piece.runs:
         if run.part == "header":
             word = ROLE_HEADERS[run.role]
-            colour = "yellow" if run.role == "tool" else "cyan"
-            out.append(click.style(f"⟦{word}⟧ " if run.message_start else "⟦…⟧ ", fg=colour))
+            fg = "yellow" if run.role == "tool" else "cyan"
+            out.append(style(f"⟦{word}⟧ " if run.message_start else "⟦…⟧ ", fg=fg))
         elif run.part == "eos":
-            out.append(click.style("⟨eos⟩", fg="magenta") + "\n")
+            out.append(style("⟨eos⟩", fg="magenta") + "\n")
         else:
             if run.part == "end":
                 text = "⟨/⟩"
@@ -58,35 +74,56 @@ def render_piece(piece: PieceView, decode: Callable[[list[int]], str] | None) ->
                 text = decode(run.token_ids)
             if run.message_start:  # the window starts inside this message (hard continuation)
                 text = "⟦…⟧ " + text
-            out.extend(_styled_lines(text, run.target, calls=run.role == "assistant"))
+            calls = run.role == "assistant"
+            out.extend(_styled_lines(text, run.target, calls, colour))
             if run.part == "end":
                 out.append("\n")
-    return "".join(out)
+    text = "".join(out)
+    # Without colour, a message's content and end token are one marked span, not two.
+    return text if colour else text.replace(TARGET_CLOSE + TARGET_OPEN, "")
 
 
-def _styled_lines(text: str, target: bool, calls: bool) -> list[str]:
-    """Content text: targets bold green; tool-call lines of an assistant message marked ⚙."""
+def _unstyled(text: str, **_: object) -> str:
+    return text
+
+
+def _styled_lines(text: str, target: bool, calls: bool, colour: bool) -> list[str]:
+    """Content text: targets bold green (or marked); tool-call lines of an assistant message
+    marked ⚙."""
     out = []
     lines = text.splitlines(keepends=True)
     for is_call, group in itertools.groupby(lines, lambda line: calls and is_tool_call_line(line)):
-        if is_call:
+        if is_call and colour:
             out.extend(click.style(f"⚙ {line}", fg="yellow", bold=target) for line in group)
-        else:
+        elif is_call:
+            out.extend(f"⚙ {_marked(line) if target else line}" for line in group)
+        elif target:
             part = "".join(group)
-            out.append(click.style(part, fg="green", bold=True) if target else part)
+            out.append(click.style(part, fg="green", bold=True) if colour else _marked(part))
+        else:
+            out.append("".join(group))
     return out
 
 
-def render_window(view: WindowView, decode: Callable[[list[int]], str] | None) -> str:
+def _marked(text: str) -> str:
+    """``[[text]]``, the mark placed before the text's final newline so lines stay lines."""
+    body = text.rstrip("\n")
+    return f"{TARGET_OPEN}{body}{TARGET_CLOSE}{text[len(body) :]}"
+
+
+def render_window(
+    view: WindowView, decode: Callable[[list[int]], str] | None, colour: bool = True
+) -> str:
+    style = click.style if colour else _unstyled
     padding = view.row_len - view.tokens
     head = (
         f"window {view.window} (shard {view.shard_id}, window {view.local_window}): "
         f"{len(view.pieces)} pieces, {view.tokens} tokens, {view.targets} targets, "
         f"{padding} padding"
     )
-    body = "".join(render_piece(piece, decode) for piece in view.pieces)
-    tail = click.style(f"⟨pad × {padding}⟩", dim=True) if padding else ""
-    return f"{click.style(head, bold=True)}\n{body}{tail}"
+    body = "".join(render_piece(piece, decode, colour) for piece in view.pieces)
+    tail = style(f"⟨pad × {padding}⟩", dim=True) if padding else ""
+    return f"{style(head, bold=True)}\n{body}{tail}"
 
 
 def view_json(view: WindowView) -> dict:
@@ -144,7 +181,8 @@ def inspect(
     """Show training windows of DATA_DIR with targets highlighted and messages marked.
 
     Windows are numbered across shards in shard-id order, as the training loader numbers them.
-    Targets are bold green, ⟦role⟧ marks a message start, ⟨/⟩ a message end.
+    Targets are bold green; without colour (output piped or redirected, or NO_COLOR set) they
+    are marked [[like this]]. ⟦role⟧ marks a message start, ⟨/⟩ a message end, ⚙ a tool call.
 
     \b
     Examples:
@@ -175,5 +213,6 @@ def inspect(
         )
         return
     decode = corpus_decoder(data_dir)
+    colour = colour_on()
     for view in views:
-        click.echo(render_window(view, decode))
+        click.echo(render_window(view, decode, colour), color=colour)
