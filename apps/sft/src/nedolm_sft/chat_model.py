@@ -1,8 +1,9 @@
 """A trained model together with what it needs to chat: its tokenizer and the corpus specials.
 
-Both places a user points the app at resolve to the same bundle: a run directory (newest SFT
-checkpoint, base config, and the prepared corpus the run trained on) or an export directory
-(written by ``nedolm-sft export``). Prompts and the exported chat template come from the
+Every place a user points the app at resolves to the same bundle: an SFT run directory (newest
+checkpoint and the prepared corpus the run trained on), a base run directory (``init-base``,
+``import-hf``, a pretraining job: its weights with the tokenizer it names, or a corpus's) or an
+export directory (written by ``nedolm-sft export``). Prompts and the exported chat template come from the
 builder's renderer (``nedolm.data.render``), so the model sees at inference what it saw in
 training.
 """
@@ -22,7 +23,13 @@ import torch
 from nedolm.data.format import SPECIAL_TOKENS_FILE, SpecialTokens, read_special_tokens
 from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN
 from nedolm.data.render import ConversationLayout, LayoutError, chat_template
-from nedolm.data.tokenizer import TextTokenizer, load_tokenizer, read_tokenizer_bytes
+from nedolm.data.tokenizer import (
+    TextTokenizer,
+    build_special_tokens,
+    load_tokenizer,
+    read_tokenizer_bytes,
+    registered_special_tokens,
+)
 from nedolm.model import ModelConfig, MorphTransformer, build_model, export_hf, generate, load_hf
 from nedolm.train.base import BASE_CONFIG_FILE, model_config, resolve_base_checkpoint
 from nedolm.train.base_weights import load_base_state
@@ -88,10 +95,22 @@ class ChatModel:
                 shown = text
 
 
-def load_chat_model(path: Path) -> ChatModel:
-    """Load from an export directory (has config.json) or a run directory (has checkpoints)."""
+def load_chat_model(path: Path, data_dir: Path | None = None) -> ChatModel:
+    """Load from an export directory (has config.json), a base run (has config.yaml) or an SFT
+    run directory (has checkpoints).
+
+    Args:
+        data_dir: a prepared corpus whose tokenizer and specials a base run uses (required for a
+            base run that names no tokenizer, as ``init-base`` writes); refused for other kinds.
+    """
     if not path.is_dir():
         raise click.ClickException(f"{path} is not a directory (expected a run or export dir)")
+    if (path / BASE_CONFIG_FILE).is_file():
+        return load_base_chat_model(path, data_dir)
+    if data_dir is not None:
+        raise click.UsageError(
+            f"--data-dir is for base runs; {path} is an SFT run or export and brings its tokenizer"
+        )
     if (path / "config.json").is_file():
         return _load_export(path)
     return _load_run(path)
@@ -114,13 +133,27 @@ def _load_run(run_dir: Path) -> ChatModel:
     return _with_corpus_tokenizer(model, Path(sft["data_dir"]), checkpoint)
 
 
-def load_base_chat_model(base_run_dir: Path, data_dir: Path) -> ChatModel:
-    """A base run's model (newest checkpoint or model.safetensors) with a corpus's tokenizer."""
+def load_base_chat_model(base_run_dir: Path, data_dir: Path | None = None) -> ChatModel:
+    """A base run's model (newest checkpoint or model.safetensors) with a corpus's tokenizer, or
+    without ``data_dir`` the tokenizer the base run names (``import-hf`` copies it in)."""
     base = load_run_config(base_run_dir / BASE_CONFIG_FILE)
-    weights = resolve_base_checkpoint(base_run_dir, None)
+    try:
+        weights = resolve_base_checkpoint(base_run_dir, None)
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from exc
     model = build_model(model_config(base, morph_dispatch="sparse", attn_impl="sdpa"))
     model.load_state_dict(load_base_state(weights))
-    return _with_corpus_tokenizer(model, data_dir, weights)
+    if data_dir is not None:
+        return _with_corpus_tokenizer(model, data_dir, weights)
+    if base.tokenizer is None:
+        raise click.UsageError(
+            f"{base_run_dir / BASE_CONFIG_FILE} names no tokenizer (a base run written by "
+            "init-base): pass --data-dir with a corpus prepared for it"
+        )
+    tokenizer = load_tokenizer(base_run_dir / base.tokenizer)
+    # A base model knows no corpus: the seed's role registry, as a corpus without tools has.
+    specials = registered_special_tokens(build_special_tokens(tokenizer, tokenizer.name), set())
+    return ChatModel(model.eval(), tokenizer, specials, weights)
 
 
 def _with_corpus_tokenizer(model: MorphTransformer, data_dir: Path, source: Path) -> ChatModel:

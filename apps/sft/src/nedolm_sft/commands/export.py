@@ -9,6 +9,7 @@ import click
 import torch
 
 from nedolm_sft.chat_model import export_bundle, load_chat_model
+from nedolm_sft.commands.generate import data_dir_option
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,25 +25,30 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
     help="Weight dtype of the export.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing export directory.")
-def export(run_dir: Path, out: Path, dtype: str, overwrite: bool) -> None:
-    """Export the newest checkpoint of RUN_DIR with its tokenizer and chat template.
+@data_dir_option
+def export(run_dir: Path, out: Path, dtype: str, overwrite: bool, data_dir: Path | None) -> None:
+    """Export the newest checkpoint of RUN_DIR (an SFT or base run) with its tokenizer and chat
+    template.
 
     A dense model (no morph classes) is written in Hugging Face Llama format and loads with
-    transformers.LlamaForCausalLM.from_pretrained(OUT); a morph model is written in NedoLM's
-    own format (load with nedolm.model.load_hf). Either works with `nedolm-sft generate OUT`.
+    transformers.LlamaForCausalLM.from_pretrained(OUT); a morph model is written with its own
+    loader code and loads with
+    transformers.AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True).
+    Either works with `nedolm-sft generate OUT`.
 
     \b
     Example:
       nedolm-sft export runs/sft-demo --out exports/sft-demo
+      nedolm-sft export runs/base-tiny --data-dir corpus/ --out exports/base-tiny
     """
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise click.ClickException(f"{out} already exists and is not empty; pass --overwrite")
-    chat = load_chat_model(run_dir)
+    chat = load_chat_model(run_dir, data_dir)
     tmp = out.with_name(out.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     export_bundle(chat, tmp, dtype=DTYPES[dtype])
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    kind = "Llama (transformers)" if chat.model.cfg.n_morph_classes == 0 else "NedoLM morph"
-    click.echo(f"exported {chat.source} → {out} ({kind} format, {dtype})")
+    kind = "Llama" if chat.model.cfg.n_morph_classes == 0 else "NedoLM morph (trust_remote_code)"
+    click.echo(f"exported {chat.source} → {out} ({kind} transformers format, {dtype})")

@@ -8,6 +8,13 @@ import click
 
 from nedolm_sft.chat_model import ChatModel, load_chat_model
 
+data_dir_option = click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="For a base run: the prepared corpus whose tokenizer to use (needed after init-base).",
+)
+
 sampling_options = [
     click.option("--max-new-tokens", default=128, show_default=True, help="Reply length limit."),
     click.option("--temperature", default=0.0, show_default=True, help="0 = greedy; > 0 samples."),
@@ -17,8 +24,8 @@ sampling_options = [
 ]
 
 
-def with_sampling_options(command):
-    for option in reversed(sampling_options):
+def with_chat_options(command):
+    for option in reversed([data_dir_option, *sampling_options]):
         command = option(command)
     return command
 
@@ -36,30 +43,32 @@ def stream_reply(chat: ChatModel, history: list[tuple[str, str]], **sampling: ob
 @click.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="The user message.")
-@with_sampling_options
-def generate(model_dir: Path, prompt: str, system: str | None, **sampling: object) -> None:
-    """Reply to one user message with a run's newest checkpoint or an export.
+@with_chat_options
+def generate(
+    model_dir: Path, prompt: str, system: str | None, data_dir: Path | None, **sampling: object
+) -> None:
+    """Reply to one user message with a run's newest checkpoint (SFT or base) or an export.
 
     \b
     Example:
       nedolm-sft generate runs/sft-demo --prompt "Türkiye'nin başkenti neresidir?"
     """
-    chat = load_chat_model(model_dir)
+    chat = load_chat_model(model_dir, data_dir)
     history = [("system", system)] if system else []
     stream_reply(chat, [*history, ("user", prompt)], **sampling)
 
 
 @click.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@with_sampling_options
-def chat(model_dir: Path, system: str | None, **sampling: object) -> None:
+@with_chat_options
+def chat(model_dir: Path, system: str | None, data_dir: Path | None, **sampling: object) -> None:
     """Chat interactively (empty line or Ctrl-D ends; /reset starts over).
 
     \b
     Example:
       nedolm-sft chat exports/sft-demo --temperature 0.7 --top-p 0.9
     """
-    model = load_chat_model(model_dir)
+    model = load_chat_model(model_dir, data_dir)
     start = [("system", system)] if system else []
     history = list(start)
     click.echo(f"chatting with {model.source} (empty line to quit, /reset to start over)")

@@ -1,0 +1,236 @@
+"""``nedolm-sft export`` / ``generate`` of every run directory the app writes, read back by
+transformers: a morph SFT run (loader code shipped, ``trust_remote_code``), an ``init-base``
+run and an ``import-hf`` run. Everything is local (no hub access) and runs as real processes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from nedolm.data.builder import BuildOptions, build_corpus
+from nedolm.data.tokenizer import load_tokenizer
+from nedolm.model import generate
+from nedolm_sft.chat_model import load_chat_model
+
+FIXTURES = Path(__file__).resolve().parents[3] / "packages" / "nedolm-data" / "tests" / "fixtures"
+DEFAULT = files("nedolm_sft") / "default"
+PROMPT = "Türkiye'nin başkenti neresidir?"
+MORPH_TINY = [
+    "d_model=64",
+    "n_layers=2",
+    "n_heads=4",
+    "n_kv_heads=2",
+    "ffn_dim=96",
+    "morph_expert_dim=16",
+    "max_seq_len=256",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+pytestmark = pytest.mark.slow  # real SFT runs and exports in subprocesses
+
+
+def cli(*args: object) -> str:
+    """``nedolm-sft ARGS`` in a real process; its stdout (the test fails on a non-zero exit)."""
+    result = cli_result(*args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def cli_result(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nedolm_sft", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+    )
+
+
+def remote(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        path, trust_remote_code=True, dtype=torch.float32
+    ).eval()
+
+
+def random_ids(vocab_size: int, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped sample prepared with the shipped Turkish tokenizer (byte-level BPE, whose
+    whole-text encoding equals the renderer's per-message encoding, so the exported chat
+    template gives the training ids)."""
+    root = tmp_path_factory.mktemp("corpus")
+    lines = Path(str(DEFAULT / "tr_chat_sample.jsonl")).read_text(encoding="utf-8").splitlines()
+    (root / "sample.jsonl").write_text("\n".join(lines[:120]) + "\n", encoding="utf-8")
+    tokenizer = Path(str(DEFAULT / "tokenizer.json.gz"))
+    build_corpus([root / "sample.jsonl"], tokenizer, root / "data", BuildOptions(seq_len=256))
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def morph_base(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random morph base (tiny preset, classes from the corpus tokenizer) by ``init-base``."""
+    base = tmp_path_factory.mktemp("morph") / "base"
+    sets = [arg for item in MORPH_TINY for arg in ("--set", item)]
+    cli("init-base", "--preset", "tiny", "--data-dir", corpus, "--out", base, *sets)
+    return base
+
+
+@pytest.fixture(scope="module")
+def morph_run(morph_base: Path, corpus: Path) -> Path:
+    """The morph base fine-tuned for 3 steps by ``nedolm-sft run``."""
+    root = morph_base.parent
+    config = {
+        "run_dir": str(root / "run"),
+        "base_config": str(morph_base / "config.yaml"),
+        "base_run_dir": str(morph_base),
+        "data_dir": str(corpus),
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {
+            "seq_len": 256,
+            "micro_batch_size": 1,
+            "grad_accum_steps": 1,
+            "max_steps": 3,
+            "num_workers": 0,
+            "compile": False,
+        },
+        "validation": {"enabled": False},
+    }
+    (root / "sft.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    cli("run", root / "sft.yaml")
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def morph_export(morph_run: Path) -> Path:
+    out = morph_run.parent / "export"
+    cli("export", morph_run, "--out", out)
+    return out
+
+
+def test_morph_export_loads_in_transformers_with_our_logits(morph_run, morph_export) -> None:
+    names = {p.name for p in morph_export.iterdir()}
+    assert {"configuration_nedolm.py", "modeling_nedolm.py", "tokenizer.json"} <= names
+    config = json.loads((morph_export / "config.json").read_text())
+    assert config["model_type"] == "nedolm" and config["num_morph_classes"] == 3
+    ours = load_chat_model(morph_run).model
+    theirs = remote(morph_export)
+    ids = random_ids(ours.cfg.vocab_size, (2, 64))
+    with torch.no_grad():
+        diff = (ours(ids)[1] - theirs(ids).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def test_transformers_generate_with_the_shipped_template_equals_nedolm_sft_generate(
+    morph_run, morph_export
+) -> None:
+    chat = load_chat_model(morph_export)
+    tokenizer = AutoTokenizer.from_pretrained(morph_export, trust_remote_code=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert prompt == chat.render([("user", PROMPT)])
+    theirs = remote(morph_export)
+    # 24 tokens, stop ids ignored: every step of the cache is compared.
+    raw = theirs.generate(
+        torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    assert raw[0, len(prompt) :].tolist() == list(generate(chat.model, prompt, max_new_tokens=24))
+
+    # With the shipped generation_config.json (stops at <|mesaj_bitir|> or EOS), as a user runs it.
+    out = theirs.generate(
+        torch.tensor([prompt]), max_new_tokens=24, pad_token_id=tokenizer.pad_token_id
+    )
+    reply = tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True)
+    assert reply.strip()
+    for source in (morph_export, morph_run):
+        text = cli("generate", source, "--prompt", PROMPT, "--max-new-tokens", 24)
+        assert text.strip() == reply.strip(), source
+
+
+def test_save_pretrained_of_the_loaded_model_round_trips(morph_export, tmp_path) -> None:
+    theirs = remote(morph_export)
+    theirs.save_pretrained(tmp_path / "saved")
+    assert {"configuration_nedolm.py", "modeling_nedolm.py"} <= {
+        p.name for p in (tmp_path / "saved").iterdir()
+    }
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_nedolm.NedoLMForCausalLM"
+    again = remote(tmp_path / "saved")
+    ids = random_ids(theirs.config.vocab_size, (2, 40))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, theirs(ids).logits)
+
+
+def test_init_base_run_exports_and_generates(morph_base, corpus, tmp_path) -> None:
+    refused = cli_result("export", morph_base, "--out", tmp_path / "x")
+    assert refused.returncode != 0 and "names no tokenizer" in refused.stderr
+    assert "--data-dir" in refused.stderr and not (tmp_path / "x").exists()
+
+    cli("export", morph_base, "--data-dir", corpus, "--out", tmp_path / "export")
+    ours = load_chat_model(morph_base, corpus).model
+    ids = random_ids(ours.cfg.vocab_size, (2, 48))
+    with torch.no_grad():
+        diff = (ours(ids)[1] - remote(tmp_path / "export")(ids).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+    args = ("--prompt", PROMPT, "--max-new-tokens", 12)
+    from_run = cli("generate", morph_base, "--data-dir", corpus, *args)
+    assert from_run.strip() and from_run == cli("generate", tmp_path / "export", *args)
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama saved by transformers beside a real tokenizer, as on the hub."""
+    out = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    out.mkdir()
+    (out / "tokenizer.json").write_bytes(
+        gzip.decompress((FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz").read_bytes())
+    )
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    config = LlamaConfig(
+        vocab_size=load_tokenizer(out).base_vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("morph_expert_dim", [0, 16])
+def test_import_hf_base_exports_the_original_logits(hf_llama, tmp_path, morph_expert_dim) -> None:
+    base = tmp_path / "base"
+    cli("import-hf", hf_llama, "--out", base, "--morph-expert-dim", morph_expert_dim)
+    cli("export", base, "--out", tmp_path / "export")
+    original = LlamaForCausalLM.from_pretrained(hf_llama, dtype=torch.float32).eval()
+    if morph_expert_dim:
+        exported = remote(tmp_path / "export")  # zero-output experts: still the original's logits
+    else:
+        exported = LlamaForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    vocab = original.config.vocab_size
+    assert exported.config.vocab_size > vocab  # grown for the control and pad ids
+    ids = random_ids(vocab, (2, 48))
+    with torch.no_grad():
+        want = original(ids).logits
+        diff = (exported.eval()(ids).logits[..., :vocab] - want).abs().max().item()
+    assert diff <= 1e-5, diff
+    args = ("--prompt", PROMPT, "--max-new-tokens", 12)
+    from_run = cli("generate", base, *args)
+    assert from_run.strip() and from_run == cli("generate", tmp_path / "export", *args)
