@@ -28,8 +28,10 @@ yields exactly the batches the uninterrupted run would have.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -612,7 +614,14 @@ def build_sft_loader(
 
 
 class StopSignalGuard:
-    """``worker_init_fn``: workers ignore SIGTERM and SIGINT until the main process exits.
+    """``worker_init_fn``: workers die with their parent, and ignore SIGTERM and SIGINT until
+    the main process exits.
+
+    A worker orphaned by a ``kill -9`` of the trainer would otherwise live on until torch's
+    watchdog notices (seconds), using memory and CPU the requeued job needs; on Linux the
+    kernel sends it SIGKILL when its parent dies (``PR_SET_PDEATHSIG``). The signal follows the
+    *thread* that forked the worker: iterate the loader from a thread that lives as long as
+    the loader (the trainer's main thread does).
 
     A scheduler's SIGTERM (or a terminal's Ctrl-C) reaches every process of the job; the
     workers must keep serving batches while the main process writes its checkpoint. But when
@@ -626,12 +635,28 @@ class StopSignalGuard:
         self.exiting = _main_process_exit_flag()
 
     def __call__(self, _worker_id: int) -> None:
+        _die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, _signum: int, _frame: object) -> None:
         if self.exiting[0]:
             os._exit(0)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when the parent dies (Linux; elsewhere torch's watchdog)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the request: nobody will send it
+        os._exit(0)
 
 
 _EXIT_FLAG: torch.Tensor | None = None
