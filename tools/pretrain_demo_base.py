@@ -2,10 +2,13 @@
 
 The text is the content of the shipped Turkish chat files (``tr_chat/*.jsonl``) as plain
 documents: each conversation's messages joined by newlines, followed by EOS, with no control
-tokens or role headers (those are what SFT teaches). Every record that shares a message with the
-demo's own sample (``nedolm_sft/default/tr_chat_sample.jsonl``) is left out, so neither the
-demo's validation conversations nor its held-out prompts were ever seen in pretraining. A fixed
-slice of the remaining documents (by content hash) is held out; its loss is reported and its
+tokens or role headers (those are what SFT teaches). The chat files alone are only ~314k
+tokens, so ``--extra-text`` adds plain documents (Turkish documentation gathered from Debian
+packages by ``tools/gather_demo_text.py``). Every record that shares a message with the demo's
+own sample (``nedolm_sft/default/tr_chat_sample.jsonl``) is left out, and so is every extra
+document quoting a sample message or held-out prompt, so neither the demo's validation
+conversations nor its held-out prompts were ever seen in pretraining. A fixed slice of all the
+documents (by content hash) is held out; its loss is reported, overall and per part, and its
 text is written beside the weights so the figure can be re-checked.
 
 Everything is seeded (document order, initialisation, the held-out slice) and the run is a
@@ -21,10 +24,11 @@ Output (written to a temporary directory, then renamed into place)::
     OUT/heldout.txt.gz       the held-out documents, one per line
     OUT/RECIPE.md            command, data, hyperparameters, wall time, machine, held-out loss
 
-Example (the shipped base; about an hour on one CPU core)::
+Example (the exact command of the shipped base is in its RECIPE.md)::
 
+    python tools/gather_demo_text.py --cache /tmp/demo-debs --out /tmp/demo_text.jsonl
     python tools/pretrain_demo_base.py --data-dir /work/shared/data/tr_chat \\
-        --out apps/sft/src/nedolm_sft/default/base
+        --extra-text /tmp/demo_text.jsonl --out apps/sft/src/nedolm_sft/default/base
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import math
 import os
 import platform
 import random
@@ -59,6 +64,9 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
 HELDOUT_FILE = "heldout.txt.gz"
 RECIPE_FILE = "RECIPE.md"
+HELDOUT_PROMPTS_FILE = "heldout_prompts.jsonl"
+MIN_BANNED_CHARS = 20
+PART_NAMES = {"all": "all", "chat": "chat conversations", "extra": "extra text"}
 MAX_WEIGHTS_BYTES = 25 * 1024 * 1024
 
 
@@ -101,13 +109,35 @@ def read_conversations(path: Path) -> Iterator[Conversation]:
             yield parsed
 
 
-def pretraining_documents(data_dir: Path, excluded: Path) -> list[str]:
-    """Unique plain-text documents of ``data_dir/*.jsonl`` sharing no message with ``excluded``.
-
-    Matching on any message (not the whole record) also catches the same conversation shipped
-    in another format, e.g. the Alpaca and chat copies of the seed tasks.
-    """
+def banned_messages(excluded: Path) -> set[str]:
+    """Every message of the demo sample ``excluded``, and every held-out prompt beside it."""
     banned = {m.text.strip() for c in read_conversations(excluded) for m in c.messages}
+    prompts = excluded.with_name(HELDOUT_PROMPTS_FILE)
+    if prompts.is_file():
+        records = (json.loads(raw) for _, raw in read_records(prompts) if isinstance(raw, bytes))
+        banned |= {str(record["prompt"]).strip() for record in records}
+    return banned
+
+
+def read_extra_text(path: Path) -> Iterator[str]:
+    """The ``text`` of every record of a JSON-lines file written by ``gather_demo_text.py``."""
+    for line_no, raw in read_records(path):
+        record = None if isinstance(raw, Rejected) else json.loads(raw)
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise SystemExit(f'{path}:{line_no}: not a {{"text": ...}} record')
+        yield record["text"]
+
+
+def pretraining_documents(data_dir: Path, excluded: Path, extra: Sequence[Path] = ()) -> list[str]:
+    """Unique plain-text documents of ``data_dir/*.jsonl`` and ``extra``, none from ``excluded``.
+
+    A conversation is left out when it shares any message with the demo sample (not only the
+    whole record: that also catches the same conversation shipped in another format, e.g. the
+    Alpaca and chat copies of the seed tasks). An ``extra`` document is left out when it
+    contains a sample message or held-out prompt of at least ``MIN_BANNED_CHARS`` characters
+    (shorter ones, like "1919", are too common to mean a leak).
+    """
+    banned = banned_messages(excluded)
     documents: dict[str, None] = {}  # insertion-ordered set
     for path in sorted(Path(data_dir).glob("*.jsonl")):
         for conversation in read_conversations(path):
@@ -115,6 +145,11 @@ def pretraining_documents(data_dir: Path, excluded: Path) -> list[str]:
                 documents.setdefault(conversation_text(conversation), None)
     if not documents:
         raise SystemExit(f"{data_dir}: no *.jsonl conversation left for pretraining")
+    long_banned = [text for text in banned if len(text) >= MIN_BANNED_CHARS]
+    for path in extra:
+        for text in read_extra_text(path):
+            if not any(b in text for b in long_banned):
+                documents.setdefault(text, None)
     return list(documents)
 
 
@@ -182,8 +217,8 @@ def lm_loss(model: MorphTransformer, rows: torch.Tensor, eos_id: int, reduction:
 
 
 @torch.no_grad()
-def heldout_loss(model: MorphTransformer, rows: torch.Tensor, eos_id: int) -> float:
-    """Mean next-token loss (nats) over every held-out target, in float32."""
+def heldout_totals(model: MorphTransformer, rows: torch.Tensor, eos_id: int) -> tuple[float, int]:
+    """(summed next-token loss in nats, target count) over every held-out target, in float32."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -191,7 +226,22 @@ def heldout_loss(model: MorphTransformer, rows: torch.Tensor, eos_id: int) -> fl
         loss_sum, targets = lm_loss(model, rows[start : start + 16], eos_id, "sum")
         total, count = total + float(loss_sum), count + targets
     model.train(was_training)
+    return total, count
+
+
+def heldout_loss(model: MorphTransformer, rows: torch.Tensor, eos_id: int) -> float:
+    """Mean next-token loss (nats) over every held-out target."""
+    total, count = heldout_totals(model, rows, eos_id)
     return total / count
+
+
+def heldout_scores(
+    model: MorphTransformer, tokenizer_path: Path, texts: Sequence[str], row_len: int, eos_id: int
+) -> tuple[float, float]:
+    """(nats per token, bits per character) of ``texts``: the second compares tokenizers."""
+    rows = heldout_rows(encode_documents(tokenizer_path, texts), row_len)
+    total, count = heldout_totals(model, rows, eos_id)
+    return total / count, total / math.log(2) / sum(len(t) for t in texts)
 
 
 def dense_model_config(recipe: Recipe, vocab_size: int) -> ModelConfig:
@@ -298,11 +348,20 @@ def recipe_markdown(
         f"parameters: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads "
         f"({cfg.n_kv_heads} KV), SwiGLU {cfg.ffn_dim}, vocabulary {cfg.vocab_size} padded to "
         f"{cfg.padded_vocab_size}.",
-        f"- Data: {stats['documents']:,} unique conversations of `{stats['data_dir']}/*.jsonl` as "
-        f"plain text (messages joined by newlines, EOS after each), {stats['train_tokens']:,} "
-        "training tokens; every record sharing a message with the demo sample "
-        "`tr_chat_sample.jsonl` excluded. Tokenizer: the shipped `tokenizer.json.gz` "
-        f"(sha256 {stats['tokenizer_sha256']}).",
+        f"- Data: {stats['documents']:,} unique plain-text documents, EOS after each: "
+        f"{stats['chat_documents']:,} conversations of `{stats['data_dir']}/*.jsonl` (messages "
+        "joined by newlines; every record sharing a message with the demo sample "
+        "`tr_chat_sample.jsonl` excluded)"
+        + (
+            f" and {stats['documents'] - stats['chat_documents']:,} documents of "
+            + ", ".join(f"`{path}`" for path in stats["extra_text"])
+            + " (made by `tools/gather_demo_text.py`; any quoting a sample message or held-out "
+            "prompt excluded)"
+            if stats["extra_text"]
+            else ""
+        )
+        + f"; {stats['train_tokens']:,} training tokens. Tokenizer: the shipped "
+        f"`tokenizer.json.gz` (sha256 {stats['tokenizer_sha256']}).",
         f"- Held-out slice: the {stats['heldout_documents']} documents whose blake2b-64 content "
         f"hash is 0 mod {recipe.heldout_every} ({stats['heldout_tokens']:,} tokens), stored in "
         f"`{HELDOUT_FILE}`.",
@@ -310,7 +369,9 @@ def recipe_markdown(
         f"tokens (documents attention-isolated), AdamW (betas 0.9/0.95, weight decay "
         f"{recipe.weight_decay}, no decay on norms/embeddings), lr {recipe.lr} with "
         f"{recipe.warmup_steps} warm-up steps and cosine decay to {recipe.min_lr_ratio} x, "
-        f"grad clip 1.0, seed {recipe.seed}, float32, 1 torch thread.",
+        f"grad clip 1.0, seed {recipe.seed}, float32, 1 torch thread; "
+        f"{(recipe.stop_step or recipe.steps) * recipe.batch_rows * recipe.seq_len:,} token "
+        "positions seen.",
         f"- Stored: `{WEIGHTS_FILE}` in {stats['weights_dtype']} ({stats['weights_bytes']:,} "
         "bytes).",
         f"- Machine: {stats['machine']}; torch {torch.__version__}; wall time "
@@ -321,6 +382,16 @@ def recipe_markdown(
         "| step | held-out loss |",
         "|---:|---:|",
         *(f"| {step} | {loss:.4f} |" for step, loss in curve),
+        "",
+        "Held-out scores of the stored weights by part of the mixture (bits per character: the "
+        "summed loss over the characters of the documents, for comparing tokenizers):",
+        "",
+        "| part | documents | nats per token | bits per character |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {PART_NAMES[name]} | {stats['heldout_parts'][name]} | {nats:.4f} | {bpc:.4f} |"
+            for name, (nats, bpc) in stats["heldout_scores"].items()
+        ),
         "",
         "Final held-out loss of the stored weights, as loaded by a base run "
         f"(nats per token): {stats['final_heldout_loss']:.4f}",
@@ -346,7 +417,9 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     )
     tokenizer_path = args.default_dir / "tokenizer.json.gz"
     specials = build_special_tokens(load_tokenizer(tokenizer_path), tokenizer_path.name)
-    documents = pretraining_documents(args.data_dir, args.default_dir / "tr_chat_sample.jsonl")
+    sample = args.default_dir / "tr_chat_sample.jsonl"
+    documents = pretraining_documents(args.data_dir, sample, args.extra_text)
+    chat_count = len(pretraining_documents(args.data_dir, sample))  # they come first
     if args.max_documents:
         documents = documents[: args.max_documents]
     heldout_text = [d for d in documents if is_heldout(d, recipe.heldout_every)]
@@ -407,7 +480,18 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     check_dir.mkdir(parents=True, exist_ok=True)
     try:  # measure the stored (possibly bf16-rounded) weights, not the in-memory ones
         save_file(stored, str(check_dir / WEIGHTS_FILE))
-        final = heldout_loss(load_stored(cfg, check_dir / WEIGHTS_FILE), heldout, eos_id)
+        final_model = load_stored(cfg, check_dir / WEIGHTS_FILE)
+        final = heldout_loss(final_model, heldout, eos_id)
+        parts = {
+            "all": heldout_text,
+            "chat": [d for d in documents[:chat_count] if is_heldout(d, recipe.heldout_every)],
+            "extra": [d for d in documents[chat_count:] if is_heldout(d, recipe.heldout_every)],
+        }
+        scores = {
+            name: heldout_scores(final_model, tokenizer_path, texts, recipe.seq_len + 1, eos_id)
+            for name, texts in parts.items()
+            if texts
+        }
     finally:
         shutil.rmtree(check_dir, ignore_errors=True)
     dtype = next(iter(stored.values())).dtype
@@ -415,6 +499,10 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
         "data_dir": args.data_dir,
         "params": model.num_params(),
         "documents": len(documents),
+        "chat_documents": min(chat_count, len(documents)),
+        "extra_text": [str(path) for path in args.extra_text],
+        "heldout_parts": {name: len(texts) for name, texts in parts.items()},
+        "heldout_scores": scores,
         "train_tokens": sum(len(d) for d in train_docs),
         "heldout_documents": len(heldout_text),
         "heldout_tokens": sum(len(d) for d in heldout_docs),
@@ -456,6 +544,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="wall-time budget: stop after the step that exceeds it, recorded as --stop-step",
+    )
+    parser.add_argument(
+        "--extra-text",
+        type=Path,
+        action="append",
+        default=[],
+        help='a JSON-lines file of {"text": ...} documents to add (tools/gather_demo_text.py)',
     )
     parser.add_argument(
         "--max-documents", type=int, default=0, help="use only the first N documents (tests)"
