@@ -40,12 +40,14 @@ def nedolm_sft() -> RunCli:
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real corpus at seq_len 256 (2 shards) from the data package's Turkish chat fixtures."""
+    """A real corpus at seq_len 256 (2 shards, none held out) from the data package's Turkish
+    chat fixtures."""
     root = tmp_path_factory.mktemp("corpus")
     tokenizer = root / "tokenizer.json"
     tokenizer.write_bytes(
         gzip.decompress((FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz").read_bytes())
     )
     inputs = sorted((FIXTURES / "tr_chat").glob("[nt]*.jsonl"))  # nutuk, tquad, truthfulqa
-    build_corpus(inputs, tokenizer, root / "data", BuildOptions(seq_len=256, shards=2))
+    options = BuildOptions(seq_len=256, shards=2, val_fraction=0)  # what tests train on: all
+    build_corpus(inputs, tokenizer, root / "data", options)
     return root / "data"

@@ -196,3 +196,55 @@ def test_prepare_and_stats_report_coverage_and_duplicates(tmp_path):
     assert f"characters the tokenizer does not round-trip: {lost} (" in stats.output
     dups = sum(s["duplicate_conversations"] for s in sources)
     assert f"exact duplicate conversations: {dups} (" in stats.output
+
+
+SHARED_DATA = Path("/work/shared/data")  # the project's real data (SOURCES.md there)
+
+
+def _tokens_and_segments(data_dir: Path) -> dict[str, bytes]:
+    shards = sorted((data_dir / "shards").glob("*.bin"))
+    return {p.name: p.read_bytes() for p in shards if not p.name.endswith(".index.bin")}
+
+
+def test_prepare_reads_the_upstream_json_array_as_its_jsonl_twin(tmp_path):
+    """LLaMA-Factory's glaive_toolcall_en_demo.json (one ShareGPT JSON array, 300 records) and
+    the curated OpenAI JSON lines converted from it: the same tokens and targets (the index
+    files differ only in record keys, which name the file and the curator's ids)."""
+    tool_chat = SHARED_DATA / "tool_chat"
+    built = {}
+    for source in (
+        tool_chat / "original" / "glaive_toolcall_en_demo.json",
+        tool_chat / "glaive_toolcall_en_demo.jsonl",
+    ):
+        out = tmp_path / source.name
+        result = _run(
+            "prepare",
+            source,
+            "--tokenizer",
+            TOKENIZER,
+            "--out",
+            out,
+            "--seq-len",
+            4096,
+            "--no-progress",
+        )
+        assert result.exit_code == 0, result.output
+        # one record holds an assistant message longer than 4096 tokens: the same drop in both
+        assert "records 300 = kept 299 + dropped 1 (hard_continuation 1)" in result.output
+        built[source.suffix] = _tokens_and_segments(out)
+    assert len(built[".json"]) == 2 * 20
+    assert built[".json"] == built[".jsonl"]
+
+
+def test_prepare_holds_out_a_validation_shard_by_default(tmp_path):
+    args = ["--tokenizer", TOKENIZER, "--seq-len", 1024, "--no-progress"]
+    result = _run("prepare", *INPUTS, "--out", tmp_path / "a", *args)
+    assert result.exit_code == 0, result.output
+    assert "20 shards, validation [19]," in result.output
+    manifest = json.loads((tmp_path / "a" / "SHARD_MANIFEST.json").read_text(encoding="utf-8"))
+    assert manifest["validation_shard_ids"] == [19]
+
+    result = _run("prepare", *INPUTS, "--out", tmp_path / "b", *args, "--shards", 4)
+    assert result.exit_code == 0 and "4 shards, validation [3]," in result.output
+    result = _run("prepare", *INPUTS, "--out", tmp_path / "c", *args, "--val-fraction", 0)
+    assert result.exit_code == 0 and "20 shards, validation []," in result.output

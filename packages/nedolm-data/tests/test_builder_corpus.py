@@ -234,7 +234,7 @@ def test_more_shards_than_documents_is_an_error(tmp_path, tr_chat_inputs, tokeni
             {"seq_len": 8, "val_shards": (1,), "val_fraction": 0.5},
             "either --val-shards or --val-fraction",
         ),
-        ({"seq_len": 8, "val_fraction": 1.5}, r"must be in \(0, 1\)"),
+        ({"seq_len": 8, "val_fraction": 1.5}, r"must be in \[0, 1\)"),
     ],
 )
 def test_bad_options_are_refused(options, message):
@@ -247,6 +247,35 @@ def test_validation_ids_must_leave_training_shards():
         BuildOptions(seq_len=8, val_shards=(0,)).validation_ids(1)
     with pytest.raises(BuildError, match=r"outside 0..1"):
         BuildOptions(seq_len=8, val_shards=(5,)).validation_ids(2)
+
+
+def test_default_split_holds_out_a_shard(tmp_path, tr_chat_inputs, tokenizer_json):
+    """No shard options: 20 shards, the last held out (5%), recorded in the manifest the
+    trainer reads; a corpus of fewer documents gets one shard per document, a corpus of one
+    shard nothing held out, and val_fraction=0 opts out."""
+    report = build_corpus(
+        tr_chat_inputs, tokenizer_json, tmp_path / "a", BuildOptions(seq_len=4096)
+    )
+    assert (report.shards, report.validation_shard_ids) == (20, [19])
+    vocab_size = read_special_tokens(tmp_path / "a").vocab_size
+    contract = validate_dataset_contract(tmp_path / "a", vocab_size, 4096)  # the trainer's gate
+    assert contract["validation_shard_ids"] == [19]
+    assert len(discover_shards(tmp_path / "a")) == 20
+
+    three = tmp_path / "three.jsonl"
+    three.write_text("".join(tr_chat_inputs[0].read_text(encoding="utf-8").splitlines(True)[:3]))
+    small = build_corpus([three], tokenizer_json, tmp_path / "b", BuildOptions(seq_len=4096))
+    assert (small.shards, small.validation_shard_ids, small.documents) == (3, [2], 3)
+    assert check_corpus(tmp_path / "b") == []
+    one = BuildOptions(seq_len=4096, shards=1)
+    assert build_corpus([three], tokenizer_json, tmp_path / "c", one).validation_shard_ids == []
+
+    opted_out = BuildOptions(seq_len=4096, val_fraction=0)
+    report = build_corpus(tr_chat_inputs, tokenizer_json, tmp_path / "d", opted_out)
+    assert (report.shards, report.validation_shard_ids) == (20, [])
+    eight = BuildOptions(seq_len=4096, shards=8)
+    assert eight.validation_ids(8) == [7]  # 5% of 8 shards, at least one
+    assert BuildOptions(seq_len=4096, shards=8, val_fraction=0.3).validation_ids(8) == [5, 6, 7]
 
 
 def test_copied_corpus_still_verifies(tmp_path, fixture_corpus):

@@ -181,7 +181,7 @@ def test_unsupported_roles_error_by_default_and_map_or_drop_on_request(
         [glaive],
         sentencepiece_model,
         tmp_path / "c",
-        BuildOptions(seq_len=2048, policy=RecordPolicy(role_map={"tool": "user"})),
+        BuildOptions(seq_len=2048, shards=1, policy=RecordPolicy(role_map={"tool": "user"})),
     )
     assert mapped.documents == len(records)
     segments = _only_shard(tmp_path / "c").segments

@@ -10,6 +10,7 @@ import click
 import msgspec
 
 from nedolm.data.atomic import atomic_write_bytes
+from nedolm.data.build_options import DEFAULT_SHARDS, DEFAULT_VAL_FRACTION
 from nedolm.data.builder import BuildError, BuildOptions, BuildReport, build_corpus
 from nedolm.data.contract import PACKING_AUDIT_FILE
 from nedolm.data.format import ShardFormatError
@@ -55,8 +56,8 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     type=click.Choice(FORMATS),
     default="auto",
     show_default=True,
-    help="Input format; auto detects it per input (JSON lines plain/.gz/.zst with OpenAI,"
-    " Alpaca or ShareGPT records, Parquet, a datasets save_to_disk directory).",
+    help="Input format; auto detects it per input (JSON lines or one JSON array, plain/.gz/.zst,"
+    " with OpenAI, Alpaca or ShareGPT records; Parquet; a datasets save_to_disk directory).",
 )
 @click.option(
     "--messages-field",
@@ -85,7 +86,8 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
 @click.option(
     "--shards",
     type=click.IntRange(min=1),
-    help="Number of shards; documents are dealt round-robin (default 1).",
+    help=f"Number of shards; documents are dealt round-robin (default {DEFAULT_SHARDS},"
+    " or one per document when fewer).",
 )
 @click.option(
     "--shard-tokens",
@@ -97,8 +99,9 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
 )
 @click.option(
     "--val-fraction",
-    type=click.FloatRange(0, 1, min_open=True, max_open=True),
-    help="Instead of --val-shards: hold out the last ceil(F * shards) shards.",
+    type=click.FloatRange(0, 1, max_open=True),
+    help="Instead of --val-shards: hold out the last ceil(F * shards) shards, at least one"
+    f" (default {DEFAULT_VAL_FRACTION:g}: the last of {DEFAULT_SHARDS}); 0 holds out none.",
 )
 @click.option(
     "--unsupported-roles",
@@ -193,9 +196,10 @@ def prepare(
     """Build a verified corpus DATA_DIR from chat INPUTS.
 
     INPUTS hold OpenAI-style {"messages": [...]}, ShareGPT {"conversations": [...]} or
-    Alpaca-style instruction/input/output records: JSON lines (plain, .gz, .zst), Parquet
-    files or datasets save_to_disk directories. Records without a target or with a message
-    too long for any window are dropped and counted; every input record is accounted for.
+    Alpaca-style instruction/input/output records: JSON lines or one JSON array [...] (plain,
+    .gz, .zst), Parquet files or datasets save_to_disk directories. Records without a target
+    or with a message too long for any window are dropped and counted; every input record is
+    accounted for. By default 5% of the corpus (one shard of 20) is held out for validation.
 
     \b
     Example:

@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from nedolm.data.inputs import FORMATS
 from nedolm.data.sources import MAX_LINE_BYTES, RecordPolicy
 
+DEFAULT_SHARDS = 20
+"""Shards when neither ``shards`` nor ``shard_tokens`` is given, so that the one held out by
+default is 5% of the corpus; a corpus of fewer documents gets one shard per document."""
+DEFAULT_VAL_FRACTION = 0.05
+"""Held out for validation when neither ``val_shards`` nor ``val_fraction`` is given (a common
+held-out share), at least one shard; a corpus of one shard holds nothing out."""
+
 
 class BuildError(RuntimeError):
     """The build cannot produce a corpus (bad options, nothing kept, an occupied ``out``)."""
@@ -21,10 +28,11 @@ class BuildOptions:
     """How to turn inputs into shards; the same options give byte-identical output."""
 
     seq_len: int  # the packing audit is computed for this context length
-    shards: int | None = None  # N shards, documents dealt round-robin in input order
+    shards: int | None = None  # N shards, documents dealt round-robin (default DEFAULT_SHARDS)
     shard_tokens: int | None = None  # or: fill shards in order up to this many tokens each
     val_shards: tuple[int, ...] = ()  # shard ids held out for validation
-    val_fraction: float | None = None  # or: hold out the last ceil(fraction * N) shards
+    val_fraction: float | None = None  # or: the last ceil(fraction * N) shards; 0: none
+    # (neither: DEFAULT_VAL_FRACTION, and no validation for a corpus of one shard)
     policy: RecordPolicy = field(default_factory=RecordPolicy)
     input_format: str = "auto"  # inputs.FORMATS: detected per input, or forced
     messages_field: str | None = None  # the key/column holding the turns (default: messages)
@@ -45,8 +53,8 @@ class BuildOptions:
             raise BuildError(f"--shard-tokens must be positive, not {self.shard_tokens}")
         if self.val_shards and self.val_fraction is not None:
             raise BuildError("give either --val-shards or --val-fraction, not both")
-        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
-            raise BuildError(f"--val-fraction must be in (0, 1), not {self.val_fraction}")
+        if self.val_fraction is not None and not 0 <= self.val_fraction < 1:
+            raise BuildError(f"--val-fraction must be in [0, 1), not {self.val_fraction}")
         if self.input_format not in FORMATS:
             raise BuildError(
                 f"--format must be one of {', '.join(FORMATS)}, not {self.input_format!r}"
@@ -58,13 +66,27 @@ class BuildOptions:
 
     @property
     def shard_count(self) -> int | None:
-        """Known before the build unless shards are filled up to ``shard_tokens``."""
-        return None if self.shard_tokens is not None else (self.shards or 1)
+        """Known before the build only when ``shards`` gives it."""
+        return self.shards
+
+    @property
+    def round_robin_shards(self) -> int | None:
+        """Shards dealt round-robin: ``shards`` or DEFAULT_SHARDS; None under ``shard_tokens``."""
+        return None if self.shard_tokens is not None else (self.shards or DEFAULT_SHARDS)
+
+    @property
+    def default_split(self) -> bool:
+        """Neither ``val_shards`` nor ``val_fraction`` was given: DEFAULT_VAL_FRACTION applies."""
+        return not self.val_shards and self.val_fraction is None
 
     def validation_ids(self, num_shards: int) -> list[int]:
+        """The held-out shard ids of a corpus of ``num_shards`` shards."""
         ids = sorted(set(self.val_shards))
-        if self.val_fraction is not None:
-            count = math.ceil(self.val_fraction * num_shards)
+        if not self.val_shards:
+            fraction = DEFAULT_VAL_FRACTION if self.val_fraction is None else self.val_fraction
+            count = math.ceil(fraction * num_shards)  # at least one shard unless fraction is 0
+            if self.default_split and count >= num_shards:
+                return []  # one shard: nothing can be held out
             ids = list(range(num_shards - count, num_shards))
         if any(not 0 <= i < num_shards for i in ids):
             raise BuildError(f"validation shard ids {ids} outside 0..{num_shards - 1}")

@@ -29,7 +29,7 @@ from nedolm.data.contract import (
 )
 from nedolm.data.encode import ChunkEncoder, EncodedDocument, encoded_chunks
 from nedolm.data.format import SHARDS_DIR, SPECIAL_TOKENS_FILE
-from nedolm.data.inputs import input_sha256, input_size, read_records, source_names
+from nedolm.data.inputs import input_sha256, input_size, read_records, source_labels
 from nedolm.data.install import check_out, check_out_corpus, fresh_tmp_dir, install
 from nedolm.data.packing import (
     DROP_HARD_CONTINUATION,
@@ -38,7 +38,13 @@ from nedolm.data.packing import (
 )
 from nedolm.data.records import token_dtype
 from nedolm.data.shards import ShardSink
-from nedolm.data.sources import DUPLICATE_CONVERSATION, DUPLICATE_RECORD, InputError, Rejected
+from nedolm.data.sources import (
+    DUPLICATE_CONVERSATION,
+    DUPLICATE_RECORD,
+    InputError,
+    Rejected,
+    SourceLabel,
+)
 from nedolm.data.tokenizer import (
     build_special_tokens,
     copy_tokenizer_files,
@@ -175,7 +181,7 @@ def _stream(
     sink: ShardSink,
     progress: bool,
 ) -> _Streamed:
-    names = source_names(paths)
+    names = source_labels(paths, options.input_format)
     tally = [_SourceTally() for _ in paths]
     examples: dict[str, list[str]] = {}
     role_codes: set[int] = set()
@@ -202,7 +208,7 @@ def _stream(
                     if len(quoted) < DROP_EXAMPLES:
                         quoted.append(result.message)
                     continue
-                where = f"{names[source]}:{result.line}"
+                where = names[source].where(result.line)
                 seen[result.doc_key] = where
                 conversations.setdefault(result.conversation_key, where)
                 role_codes.update(result.segments["role"].tolist())
@@ -214,7 +220,9 @@ def _stream(
     if not any(t.kept for t in tally):
         dropped = sum((t.dropped for t in tally), Counter())
         raise BuildError(f"no document was kept; see the drop reasons: {dropped}")
-    sources = [t.entry(n, input_sha256(p)) for n, p, t in zip(names, paths, tally, strict=True)]
+    sources = [
+        t.entry(n.name, input_sha256(p)) for n, p, t in zip(names, paths, tally, strict=True)
+    ]
     return _Streamed(sources, role_codes, dict(sorted(examples.items())))
 
 
@@ -242,7 +250,7 @@ class _SourceTally:
 
 def _unique(
     document: EncodedDocument,
-    name: str,
+    source: SourceLabel,
     seen: dict[int, str],
     conversations: dict[int, str],
     counts: _SourceTally,
@@ -250,7 +258,7 @@ def _unique(
 ) -> EncodedDocument | Rejected:
     """The document, or why it repeats an earlier one: a record id seen before is refused (or
     dropped), an identical conversation is counted and, under ``dedup``, dropped."""
-    where = f"{name}:{document.line}"
+    where = source.where(document.line)
     if document.doc_key in seen:
         return Rejected(DUPLICATE_RECORD, f"{where}: same record id as {seen[document.doc_key]}")
     first = conversations.get(document.conversation_key)

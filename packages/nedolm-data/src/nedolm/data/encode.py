@@ -38,6 +38,7 @@ from nedolm.data.sources import (
     Conversation,
     RecordPolicy,
     Rejected,
+    SourceLabel,
     parse_record,
 )
 from nedolm.data.tokenizer import TextTokenizer, content_forbidden_ids, load_tokenizer
@@ -77,13 +78,15 @@ class ChunkEncoder:
         self.header_len = np.array([len(self.layout.headers[name]) for name in ROLE_NAMES])
         self.dtype = token_dtype(specials.vocab_size)
 
-    def encode(self, source_name: str, lines: Lines) -> list[Encoded]:
-        parsed = self.parse(source_name, lines)
-        return self.assemble(source_name, lines, parsed, self.tokenize(parsed))
+    def encode(self, source: SourceLabel, lines: Lines) -> list[Encoded]:
+        parsed = self.parse(source, lines)
+        return self.assemble(source, lines, parsed, self.tokenize(parsed))
 
-    def parse(self, source_name: str, lines: Lines) -> list[Conversation | Rejected]:
+    def parse(self, source: SourceLabel, lines: Lines) -> list[Conversation | Rejected]:
         return [
-            raw if isinstance(raw, Rejected) else parse_record(raw, source_name, line, self.policy)
+            raw
+            if isinstance(raw, Rejected)
+            else parse_record(raw, source.name, line, self.policy, source.where(line))
             for line, raw in lines
         ]
 
@@ -98,7 +101,7 @@ class ChunkEncoder:
 
     def assemble(
         self,
-        source_name: str,
+        source: SourceLabel,
         lines: Lines,
         parsed: Sequence[Conversation | Rejected],
         tokenized: Tokenized,
@@ -111,18 +114,19 @@ class ChunkEncoder:
             else:
                 messages = [next(contents) for _ in record.messages]
                 lost_here = sum(next(lost) for _ in record.messages)
-                results.append(self._document(source_name, line, record, messages, lost_here))
+                results.append(
+                    self._document(source.where(line), line, record, messages, lost_here)
+                )
         return results
 
     def _document(
         self,
-        source_name: str,
+        where: str,
         line: int,
         conv: Conversation,
         contents: list[list[int]],
         lost: int,
     ) -> Encoded:
-        where = f"{source_name}:{line}"
         rejected = content_rejection(where, contents, self.forbidden) or self._unknown(
             where, contents
         )
@@ -139,7 +143,7 @@ class ChunkEncoder:
         )
         reason = document_drop_reason(segments, self.seq_len)
         if reason is not None:
-            return Rejected(reason, f"{source_name}:{line}: dropped ({reason})")
+            return Rejected(reason, f"{where}: dropped ({reason})")
         tokens = np.array(
             self.layout.document([ROLE_NAMES[m.role] for m in conv.messages], contents), self.dtype
         )
@@ -210,14 +214,14 @@ def content_rejection(
 
 def encoded_chunks(
     paths: Sequence[Path],
-    names: Sequence[str],
+    names: Sequence[SourceLabel],
     encoder: ChunkEncoder,
     options: BuildOptions,
     on_bytes: Callable[[int], None] = lambda _: None,
 ) -> Iterator[tuple[int, list[Encoded]]]:
     """(source, results) per chunk, in input order, at most 2*workers chunks in flight.
 
-    ``names[i]`` names input ``i`` in keys and messages; ``on_bytes`` gets the bytes read so far
+    ``names[i]`` names input ``i`` in keys and messages (``inputs.source_labels``); ``on_bytes`` gets the bytes read so far
     over all inputs (``inputs.input_size`` units), for a progress bar.
     """
     chunks = _chunks(paths, names, options, on_bytes)
@@ -239,7 +243,7 @@ def encoded_chunks(
 
 def _chunks(
     paths: Sequence[Path],
-    names: Sequence[str],
+    names: Sequence[SourceLabel],
     options: BuildOptions,
     on_bytes: Callable[[int], None],
 ) -> Iterator[tuple[int, Lines]]:
@@ -250,7 +254,7 @@ def _chunks(
             options.input_format,
             options.messages_field,
             on_progress=lambda n, before=done: on_bytes(before + n),
-            name=names[source],
+            name=names[source].name,
             max_line_bytes=options.max_line_bytes,
         )
         while chunk := list(itertools.islice(records, options.chunk_records)):
@@ -259,7 +263,7 @@ def _chunks(
 
 
 def _pipelined(
-    chunks: Iterator[tuple[int, Lines]], names: Sequence[str], encoder: ChunkEncoder
+    chunks: Iterator[tuple[int, Lines]], names: Sequence[SourceLabel], encoder: ChunkEncoder
 ) -> Iterator[tuple[int, list[Encoded]]]:
     """In-process encoding overlapped with Python work: one thread runs the tokenizer on the
     next chunk (the tokenizer releases the GIL) while this one parses and lays out documents."""
@@ -277,7 +281,7 @@ def _pipelined(
 
 
 def _assembled(
-    item: tuple, names: Sequence[str], encoder: ChunkEncoder
+    item: tuple, names: Sequence[SourceLabel], encoder: ChunkEncoder
 ) -> tuple[int, list[Encoded]]:
     source, lines, parsed, ids = item
     return source, encoder.assemble(names[source], lines, parsed, ids.result())
@@ -315,6 +319,6 @@ def _worker_pool(workers: int, init: tuple) -> Iterator[multiprocessing.pool.Poo
         yield pool
 
 
-def _encode_in_worker(source_name: str, lines: Lines) -> list[Encoded]:
+def _encode_in_worker(source: SourceLabel, lines: Lines) -> list[Encoded]:
     assert _WORKER is not None
-    return _WORKER.encode(source_name, lines)
+    return _WORKER.encode(source, lines)

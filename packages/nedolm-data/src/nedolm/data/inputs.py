@@ -5,17 +5,22 @@ One input path is one of:
 * ``jsonl``: JSON lines, plain, gzip (``.gz``) or zstandard (``.zst``; the ``zstd`` extra),
   recognised by their magic bytes. OpenAI and Alpaca lines pass through byte for byte; a line
   whose object holds ``conversations`` (and no ``messages``) is ShareGPT and is converted.
-* ``sharegpt``: the same files, every line converted from ShareGPT (forced).
+  A file whose first byte (past a BOM and whitespace) is ``[`` is one JSON array of such
+  records instead (LLaMA-Factory's ``data/*.json``), read one element at a time
+  (``json_array``).
+* ``sharegpt``: the same files, every record converted from ShareGPT (forced).
 * ``parquet``: a Parquet file (the ``parquet`` extra), read one batch of one row group at a time.
 * ``datasets``: a directory written by ``datasets``' ``save_to_disk`` (``state.json`` +
   Arrow stream files; the ``datasets`` extra), read one record batch at a time with pyarrow.
 
 ``read_records`` yields ``(record number, record)``: the number is the 1-based line number for
-JSON lines (blank lines are counted, not yielded) and the 1-based row number over the whole
-file or directory for Parquet and Arrow, so ``f"{name}:{number}"`` points at the record. The
+JSON lines (blank lines are counted, not yielded), the 0-based index for a JSON array and the
+1-based row number over the whole file or directory for Parquet and Arrow, so
+``SourceLabel.where(number)`` (``train.jsonl:17``, ``train.json: record 17``) points at it. The
 record is canonical JSON bytes, or a ``Rejected`` when a ShareGPT record cannot be converted
 (the builder's policy then stops or drops it like any bad record). A file that cannot be read
-at all raises ``InputError`` naming it. Memory is one line or one record batch, never the file.
+at all raises ``InputError`` naming it. Memory is one line, one array element or one record
+batch, never the file.
 
 Arrow rows (Parquet, ``datasets``) lose their null fields: a struct column cannot tell a key
 that was absent from one that was null, and ``parse_record`` treats the two alike.
@@ -37,6 +42,7 @@ from typing import Any, BinaryIO
 import msgspec
 
 from nedolm.data.hashing import file_sha256
+from nedolm.data.json_array import Oversized, array_items, starts_array
 from nedolm.data.sharegpt import ShareGPTError, is_sharegpt_turns, to_openai
 from nedolm.data.sources import (
     LINE_TOO_LONG,
@@ -44,6 +50,7 @@ from nedolm.data.sources import (
     MISSING_MESSAGES,
     InputError,
     Rejected,
+    SourceLabel,
 )
 
 FORMATS = ("auto", "jsonl", "sharegpt", "parquet", "datasets")
@@ -104,6 +111,21 @@ def source_names(paths: Sequence[Path | str]) -> list[str]:
     normalised = [_as_jsonl(name, p.is_dir()) for name, p in zip(relative, resolved, strict=True)]
     taken = Counter(normalised)
     return [n if taken[n] == 1 else r for n, r in zip(normalised, relative, strict=True)]
+
+
+def source_labels(paths: Sequence[Path | str], input_format: str = "auto") -> list[SourceLabel]:
+    """``source_names`` with the way messages number each input's records (``SourceLabel``)."""
+    return [
+        SourceLabel(name, indexed=_is_json_array(Path(path), input_format))
+        for name, path in zip(source_names(paths), paths, strict=True)
+    ]
+
+
+def _is_json_array(path: Path, input_format: str) -> bool:
+    if input_format not in ("auto", "jsonl", "sharegpt") or detect_format(path) != "jsonl":
+        return False
+    with path.open("rb") as raw:
+        return starts_array(_decompressed(raw, path))
 
 
 def _as_jsonl(name: str, is_dir: bool) -> str:
@@ -170,25 +192,38 @@ def _jsonl_records(
     hook: ProgressHook,
     max_line_bytes: int,
 ) -> Iterator[tuple[int, bytes | Rejected]]:
+    """JSON lines, or the elements of one JSON array (numbered by index, see ``SourceLabel``)."""
     with path.open("rb") as raw:
-        lines = bounded_lines(_decompressed(raw, path), max_line_bytes)
-        line_no = 0
+        stream = _decompressed(raw, path)
+        label, upcoming = SourceLabel(name), 1  # the number of the record being read
         try:
-            for line_no, line in enumerate(lines, start=1):
-                if line_no % _PROGRESS_EVERY == 0:
+            if starts_array(stream):
+                label, upcoming = SourceLabel(name, indexed=True), 0
+                items = array_items(stream, name, max_line_bytes)
+            else:
+                items = _json_lines(stream, max_line_bytes)
+            for number, item in items:
+                if number % _PROGRESS_EVERY == 0:
                     hook(raw.tell())
-                if rejected := oversized_rejection(line, f"{name}:{line_no}"):
-                    yield line_no, rejected
-                    continue
-                if line_no == 1:
-                    line = line.removeprefix(b"\xef\xbb\xbf")
-                if line.strip():
-                    yield line_no, _jsonl_record(line, name, line_no, sharegpt, field)
+                where, upcoming = label.where(number), number + 1
+                if rejected := oversized_rejection(item, where, max_line_bytes):
+                    yield number, rejected
+                else:
+                    yield number, _jsonl_record(item, where, sharegpt, field)
         except (EOFError, OSError, zlib.error) as exc:
             raise InputError(
-                f"{name}:{line_no + 1}: the compressed stream is cut or damaged ({exc})"
+                f"{label.where(upcoming)}: the compressed stream is cut or damaged ({exc})"
             ) from None
         hook(raw.tell())
+
+
+def _json_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line) of every line that is not blank, a BOM stripped."""
+    for line_no, line in enumerate(bounded_lines(f, max_bytes), start=1):
+        if line_no == 1 and not isinstance(line, OversizedLine):
+            line = line.removeprefix(b"\xef\xbb\xbf")
+        if isinstance(line, OversizedLine) or line.strip():
+            yield line_no, line
 
 
 class OversizedLine(bytes):
@@ -214,13 +249,15 @@ def bounded_lines(f: BinaryIO, max_bytes: int) -> Iterator[bytes]:
         yield line
 
 
-def oversized_rejection(raw: bytes, where: str) -> Rejected | None:
-    if not isinstance(raw, OversizedLine):
+def oversized_rejection(raw: bytes, where: str, limit: int) -> Rejected | None:
+    """The rejection of a line or array element skipped for being over ``limit`` bytes."""
+    if not isinstance(raw, (OversizedLine, Oversized)):
         return None
+    what = "line" if isinstance(raw, OversizedLine) else "record"
     return Rejected(
         LINE_TOO_LONG,
-        f"{where}: the line holds {raw.size} bytes, more than the limit of {raw.limit} "
-        "(--max-line-bytes); drop such records with --invalid-records drop",
+        f"{where}: the {what} holds {raw.size} bytes, more than the limit of {limit} "
+        "(--max-line-bytes); drop such records with --on-bad-record drop",
     )
 
 
@@ -285,9 +322,7 @@ class _ZstdStream(io.RawIOBase):
         return b"".join(out)
 
 
-def _jsonl_record(
-    line: bytes, name: str, line_no: int, sharegpt: bool, field: str | None
-) -> bytes | Rejected:
+def _jsonl_record(line: bytes, where: str, sharegpt: bool, field: str | None) -> bytes | Rejected:
     # The substring test keeps OpenAI/Alpaca lines undecoded here: parse_record decodes them once.
     if not sharegpt and field is None and b'"conversations"' not in line:
         return line
@@ -297,7 +332,7 @@ def _jsonl_record(
         return line  # parse_record names the malformed JSON or UTF-8 the same way as for any line
     if not isinstance(record, dict) or (field is None and not sharegpt and "messages" in record):
         return line
-    return _canonical(record, name, line_no, field, sharegpt)
+    return _canonical(record, where, field, sharegpt)
 
 
 # --- Arrow: Parquet and datasets ---------------------------------------------------------------
@@ -394,7 +429,7 @@ def _batch_records(
         columns.append([_without_nulls(v) for v in values] if _nested_nulls(column) else values)
     for row, values in enumerate(zip(*columns, strict=True), start=first_row + 1):
         record = {k: v for k, v in zip(names, values, strict=True) if v is not None}
-        yield row, _canonical(record, name, row, field)
+        yield row, _canonical(record, f"{name}:{row}", field)
 
 
 def _nested_nulls(array: Any) -> bool:
@@ -426,7 +461,7 @@ def _without_nulls(value: Any) -> Any:
 
 
 def _canonical(
-    record: dict[str, Any], name: str, number: int, field: str | None, sharegpt: bool = False
+    record: dict[str, Any], where: str, field: str | None, sharegpt: bool = False
 ) -> bytes | Rejected:
     """The OpenAI-form JSON of a decoded record: its turns under ``messages``, other keys kept.
 
@@ -445,5 +480,5 @@ def _canonical(
         elif field != "messages":
             record = {"messages": record[field], **{k: v for k, v in record.items() if k != field}}
     except ShareGPTError as exc:
-        return Rejected(exc.reason, f"{name}:{number}: {exc}")
+        return Rejected(exc.reason, f"{where}: {exc}")
     return _encode(record)

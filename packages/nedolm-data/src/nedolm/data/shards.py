@@ -1,6 +1,8 @@
 """Shard writing: encoded documents → the three binary files of each shard, plus content digests.
 
 Documents are dealt round-robin over N shards, or fill shards in order up to a token count.
+Without either option, N is ``DEFAULT_SHARDS``, cut to the number of documents when fewer
+(round-robin fills the first shards first, so that is what ``--shards <documents>`` gives).
 Files are written as ``part-NNNNN.*`` and get their final ``sft-…-of-…`` names in ``finish``,
 once the number of shards is known.
 """
@@ -71,10 +73,11 @@ class ShardSink:
         self.directory = directory
         self.dtype = dtype
         self.shard_tokens = options.shard_tokens
-        count = options.shard_count or 1  # --shard-tokens: shards open one after the other
+        count = options.round_robin_shards or 1  # --shard-tokens: shards open one after another
         _ensure_open_files(3 * count)
         self.writers = [ShardWriter(directory, i, dtype) for i in range(count)]
         self.documents = 0
+        self.cut_to_documents = options.shards is None and options.shard_tokens is None
 
     def add(self, doc: EncodedDocument) -> None:
         if self.shard_tokens is None:
@@ -90,6 +93,10 @@ class ShardSink:
 
     def finish(self) -> list[str]:
         """Close every shard, give it its final name; return the content digests by shard."""
+        if self.cut_to_documents and 0 < self.documents < len(self.writers):
+            for empty in self.writers[self.documents :]:
+                empty.abort()
+            del self.writers[self.documents :]
         if self.documents < len(self.writers):
             raise BuildError(
                 f"only {self.documents} documents kept, fewer than the {len(self.writers)} shards"

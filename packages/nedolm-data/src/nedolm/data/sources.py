@@ -98,6 +98,20 @@ class Conversation:
 
 
 @dataclass(frozen=True)
+class SourceLabel:
+    """How one input's records are named: ``name`` in record keys and the build report,
+    ``where(number)`` in messages: ``train.jsonl:17`` (a line or row number) or, for the
+    elements of a JSON array, ``train.json: record 17`` (the 0-based index, as ``jq '.[17]'``).
+    """
+
+    name: str
+    indexed: bool = False  # the input is one JSON array
+
+    def where(self, number: int) -> str:
+        return f"{self.name}: record {number}" if self.indexed else f"{self.name}:{number}"
+
+
+@dataclass(frozen=True)
 class Rejected:
     reason: str
     message: str  # "<file>:<line>: <what is wrong>"
@@ -116,13 +130,17 @@ def doc_key(source_name: str, record_id: str) -> int:
 
 
 def parse_record(
-    raw: bytes, source_name: str, line_no: int, policy: RecordPolicy
+    raw: bytes, source_name: str, line_no: int, policy: RecordPolicy, where: str | None = None
 ) -> Conversation | Rejected:
-    """One JSONL line → a conversation, or the first reason it cannot be one."""
+    """One record's JSON → a conversation, or the first reason it cannot be one.
+
+    ``where`` names the record in the rejection (default ``source_name:line_no``; see
+    ``SourceLabel``).
+    """
     try:
         return _parse(raw, source_name, line_no, policy)
     except _Reject as reject:
-        return Rejected(reject.reason, f"{source_name}:{line_no}: {reject}")
+        return Rejected(reject.reason, f"{where or f'{source_name}:{line_no}'}: {reject}")
 
 
 def _parse(raw: bytes, source_name: str, line_no: int, policy: RecordPolicy) -> Conversation:
