@@ -25,10 +25,13 @@ def test_format_1_checkpoint_of_the_old_trainer_resumes_bitwise(
     (cursor,) = upgraded["ranks"][0]["loader"].values()
     assert (cursor[1], cursor[2]) == (1, 0)  # epoch 1, cursor 0
 
-    config = make_config(optim=harness.UNCLIPPED)
+    # The old trainer wrote no digest: resuming from its checkpoint takes trust_unverified.
+    config = make_config(optim=harness.UNCLIPPED, train={"trust_unverified": True})
     run_dir = config.with_suffix("")
     harness.copy_checkpoint(legacy_run, step, into=run_dir)
     harness.Job(config).wait_ok()
+    log = (run_dir / "train.log").read_text(encoding="utf-8")
+    assert "unverified: it carries no digest (--trust-unverified)" in log
     losses = harness.step_losses(run_dir)
     assert sorted(losses) == list(range(step + 1, harness.MAX_STEPS + 1))
     assert losses == {s: expected[s] for s in losses}
