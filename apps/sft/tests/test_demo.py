@@ -34,9 +34,9 @@ def pixels_of(png: np.ndarray, rgb: tuple[int, int, int]) -> int:
 @pytest.mark.slow
 def test_demo_runs_end_to_end(nedolm_sft: RunCli, tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = nedolm_sft("demo", "--out", str(out), "--steps", "20", "--prompts", "2", timeout=900)
+    result = nedolm_sft("demo", "--out", str(out), "--steps", "20", "--prompts", "3", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "default/base/model.safetensors" in (out / "run" / "train.log").read_text()
+    assert f"{out}/base/model.safetensors" in (out / "run" / "train.log").read_text()
 
     records = [
         json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
@@ -54,12 +54,18 @@ def test_demo_runs_end_to_end(nedolm_sft: RunCli, tmp_path: Path) -> None:
     comparison = json.loads((out / "comparison.json").read_text(encoding="utf-8"))
     shipped = [json.loads(line) for line in (DEFAULT_DIR / HELDOUT_PROMPTS).open()]
     replies = comparison["replies"]
-    assert [r["prompt"] for r in replies] == [p["prompt"] for p in shipped[:2]]
+    # One prompt of each source in turn (the shipped file holds them in blocks by source).
+    firsts = {p["source"]: p for p in reversed(shipped)}
+    assert [r["prompt"] for r in replies] == [p["prompt"] for p in list(firsts.values())[::-1][:3]]
+    assert len({r["source"] for r in replies}) == 3
     for reply in replies:  # side by side: the prompt, then the base's and the fine-tuned reply
         base, tuned = (" ".join(reply[m]["text"].split())[:60] for m in ("base", "fine_tuned"))
-        shown = f"kullanici>  {reply['prompt']}\nbase>       {base}"
-        assert shown in result.stdout
-        assert f"fine-tuned> {tuned}" in result.stdout.split(shown, 1)[1]
+        prompt = " ".join(reply["prompt"].split())[:60]
+        head = f"[{reply['source']}]\nkullanici>  {prompt}"
+        assert head in result.stdout
+        after = result.stdout.split(head, 1)[1]
+        assert f"base>       {base}" in after
+        assert f"fine-tuned> {tuned}" in after.split(f"base>       {base}", 1)[1]
     assert any(r["base"]["text"].strip() for r in replies), result.stdout
     figures = comparison["figures"]
     assert figures["heldout_assistant_loss"] == {
@@ -70,8 +76,24 @@ def test_demo_runs_end_to_end(nedolm_sft: RunCli, tmp_path: Path) -> None:
     assert closed["base"] == sum(r["base"]["closed"] for r in replies)
     assert closed["fine_tuned"] == sum(r["fine_tuned"]["closed"] for r in replies)
     assert f"base {validation[0]:.3f} → fine-tuned {validation[-1]:.3f}" in result.stdout
-    assert f"base {closed['base']}/2 → fine-tuned {closed['fine_tuned']}/2" in result.stdout
+    assert f"base {closed['base']}/3 → fine-tuned {closed['fine_tuned']}/3" in result.stdout
+    assert "measures the chat format" in result.stdout and "tokens seen" in result.stdout
     assert "nedolm-sft export" in result.stdout
+
+    # The generated config names nothing outside OUT: moved elsewhere, it runs from any
+    # directory (here it extends the finished run by 2 steps).
+    assert str(tmp_path) not in (out / "sft.yaml").read_text(encoding="utf-8")
+    moved = tmp_path / "elsewhere" / "demo"
+    moved.parent.mkdir()
+    out.rename(moved)
+    result = nedolm_sft(
+        "run", str(moved / "sft.yaml"), "--set", "train.max_steps=22", cwd=tmp_path / "elsewhere"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "extending the finished run: steps 20 -> 22" in result.stderr
+    assert sorted(p.name for p in (moved / "run" / "checkpoints").glob("step-*.pt"))[-1] == (
+        "step-00000022.pt"
+    )
 
 
 def test_heldout_prompts_come_from_the_validation_shard(nedolm_sft: RunCli, tmp_path: Path) -> None:

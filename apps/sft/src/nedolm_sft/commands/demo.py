@@ -10,7 +10,9 @@ the held-out assistant loss of both, and how many greedy replies close their mes
 
 from __future__ import annotations
 
+import itertools
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from importlib.resources import files
@@ -41,20 +43,23 @@ VALIDATION_SHARD = 7
 REPLY_TOKENS = 128  # a reply that has not closed its message by then counts as not closed
 SHOWN_PROMPTS = 4  # prompts printed side by side; the figures use all of them
 COMPARISON_FILE = "comparison.json"
+PRETRAINING_FILE = "pretraining.json"
+"""Beside the base weights: what pretraining gave it (tokens seen, held-out loss)."""
 
 
-def sft_settings(out: Path, steps: int, validation_windows: int) -> dict:
+def sft_settings(steps: int, validation_windows: int) -> dict:
     """The demo's SFT config: a CPU-sized recipe fine-tuning the shipped pretrained base.
 
+    Every path is relative to OUT, where the YAML is written beside its corpus, run and a copy
+    of the base: the config keeps working after OUT (or the clone) moves, from any directory.
     Validation reads the whole validation shard once (one window per micro-batch), so its first
     pass is the base model's held-out assistant loss and its last the fine-tuned model's.
     """
-    base = Path(str(DEFAULT_DIR / BASE))
     return {
-        "run_dir": str(out / "run"),
-        "base_config": str(base / "config.yaml"),
-        "base_run_dir": str(base),
-        "data_dir": str(out / "data"),
+        "run_dir": "run",
+        "base_config": f"{BASE}/config.yaml",
+        "base_run_dir": BASE,
+        "data_dir": "data",
         "optim": {
             "lr": 5.0e-3,
             "min_lr_ratio": 0.1,
@@ -123,7 +128,13 @@ def _stage(title: str) -> float:
     show_default=True,
     help="Where the corpus, run, plot and comparison go.",
 )
-@click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=150,
+    show_default=True,
+    help="SFT optimizer steps, each on 4 packed windows of 512 tokens.",
+)
 @click.option(
     "--prompts",
     type=click.IntRange(min=1, max=20),
@@ -160,18 +171,22 @@ def demo(out: Path, steps: int, prompts: int) -> None:
         f" (validation shard {VALIDATION_SHARD}) in {time.monotonic() - began:.1f}s"
     )
 
-    base_dir = Path(str(DEFAULT_DIR / BASE))
+    base_dir = out / BASE
     _stage(f"2/5 the shipped pretrained Turkish base model → {base_dir}")
+    _copy_base(base_dir)
     base = load_base_chat_model(base_dir, data_dir)
+    pretraining = json.loads((base_dir / PRETRAINING_FILE).read_text(encoding="utf-8"))
     click.echo(
-        f"{base.model.num_params():,} parameters, pretrained on plain Turkish text only (no chat "
-        f"format): see {base_dir / 'RECIPE.md'}"
+        f"{base.model.num_params():,} parameters, pretrained from scratch on CPU on plain Turkish "
+        f"text only (no chat format): {pretraining['tokens_seen']:,} tokens seen, held-out "
+        f"loss {pretraining['heldout_loss']:.2f} nats/token. A toy-sized model: expect the "
+        f"chat format to be learned, not good answers. How it was made: {base_dir / 'RECIPE.md'}"
     )
     shard = Shard.in_dir(data_dir / "shards", VALIDATION_SHARD, SHARDS)
     windows = plan_stored_shard(shard, SEQ_LEN).plan.counts.windows
     config_path = out / "sft.yaml"
-    config_path.write_text(yaml.safe_dump(sft_settings(out, steps, windows), sort_keys=False))
-    click.echo(f"SFT config: {config_path}")
+    config_path.write_text(yaml.safe_dump(sft_settings(steps, windows), sort_keys=False))
+    click.echo(f"SFT config: {config_path} (paths relative to it; reusable from anywhere)")
 
     began = _stage(f"3/5 fine-tune for {steps} steps → {out / 'run'}")
     run_training(load_sft_config(config_path), compile=False)
@@ -188,22 +203,44 @@ def demo(out: Path, steps: int, prompts: int) -> None:
     click.echo(
         f"  nedolm-sft stats {data_dir}\n"
         f"  nedolm-sft inspect {data_dir} --window 0\n"
-        f"  nedolm-sft run {config_path}          # resumes; raise train.max_steps to go on\n"
+        f"  nedolm-sft run {config_path} --set train.max_steps={2 * steps}   # train on\n"
         f"  nedolm-sft export {out / 'run'} --out {out / 'export'}\n"
         f"  nedolm-sft chat {out / 'run'}"
     )
 
 
+def _copy_base(into: Path) -> None:
+    """Copy the shipped base into OUT (once), so the demo's config names no installed path."""
+    if (into / PRETRAINING_FILE).is_file():
+        return
+    tmp = into.with_name(into.name + ".tmp-copy")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(Path(str(DEFAULT_DIR / BASE)), tmp)
+    shutil.rmtree(into, ignore_errors=True)
+    tmp.rename(into)
+
+
+def interleave_sources(records: list[dict]) -> list[dict]:
+    """``records`` reordered round-robin over their sources (in order of first appearance), so
+    that any prefix, the shown replies included, samples every source alike."""
+    by_source: dict[str, list[dict]] = {}
+    for record in records:
+        by_source.setdefault(record["source"], []).append(record)
+    rounds = itertools.zip_longest(*by_source.values())
+    return [record for batch in rounds for record in batch if record is not None]
+
+
 def _compare(base: ChatModel, tuned: ChatModel, out: Path, count: int) -> None:
     """Print replies side by side and the figures; write them all to OUT/comparison.json."""
     lines = (DEFAULT_DIR / HELDOUT_PROMPTS).read_text(encoding="utf-8").splitlines()
-    prompts = [json.loads(line) for line in lines[:count]]
+    prompts = interleave_sources([json.loads(line) for line in lines])[:count]
     rows = []
     for index, record in enumerate(prompts):
         before, after = greedy_reply(base, record["prompt"]), greedy_reply(tuned, record["prompt"])
         rows.append({**record, "base": asdict(before), "fine_tuned": asdict(after)})
         if index < SHOWN_PROMPTS:
-            click.echo(f"\nkullanici>  {_one_line(record['prompt'])}")
+            click.echo(f"\n[{record['source']}]")
+            click.echo(f"kullanici>  {_one_line(record['prompt'])}")
             click.echo(f"base>       {_shown(before)}")
             click.echo(f"fine-tuned> {_shown(after)}")
     validation = _validation_losses(out / "run" / "metrics.jsonl")
@@ -227,6 +264,8 @@ def _compare(base: ChatModel, tuned: ChatModel, out: Path, count: int) -> None:
         f"replies closed with <|mesaj_bitir|> within {REPLY_TOKENS} tokens (greedy, "
         f"{len(rows)} held-out prompts): base {closed['base']}/{len(rows)} → fine-tuned "
         f"{closed['fine_tuned']}/{len(rows)}\n"
+        '("closed" measures the chat format, ending the reply where a message ends; it says '
+        "nothing of the reply's quality)\n"
         f"every reply: {out / COMPARISON_FILE}"
     )
 

@@ -91,8 +91,19 @@ def _parse_override(_ctx: click.Context, _param: click.Parameter, values: tuple[
 
 
 @click.command("init-base")
-@click.option("--preset", "preset_name", type=click.Choice(preset_names()), required=True)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option(
+    "--preset",
+    "preset_name",
+    type=click.Choice(preset_names()),
+    required=True,
+    help="Model size: tiny (CPU demos and tests) or nedolm-0.8b (the real model).",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="The new base run dir (config.yaml + checkpoints/step-00000000.pt); must not exist.",
+)
 @click.option("--vocab-size", type=click.IntRange(min=1), default=None, help="Model vocabulary.")
 @click.option(
     "--data-dir",
@@ -103,7 +114,9 @@ def _parse_override(_ctx: click.Context, _param: click.Parameter, values: tuple[
 @click.option(
     "--eos-id", type=click.IntRange(min=0), default=None, help="EOS id (with --vocab-size)."
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the random initialisation."
+)
 @click.option(
     "--set",
     "overrides",
