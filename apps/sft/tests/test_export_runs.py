@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    pipeline,
+)
 
 from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.data.tokenizer import load_tokenizer
@@ -155,6 +161,9 @@ def test_transformers_generate_with_the_shipped_template_equals_nedolm_sft_gener
     )
     reply = tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True)
     assert reply.strip()
+    chat_pipeline = pipeline("text-generation", model=theirs, tokenizer=tokenizer)
+    answer = chat_pipeline([{"role": "user", "content": PROMPT}], max_new_tokens=24)
+    assert answer[0]["generated_text"][-1] == {"role": "assistant", "content": reply}
     for source in (morph_export, morph_run):
         text = cli("generate", source, "--prompt", PROMPT, "--max-new-tokens", 24)
         assert text.strip() == reply.strip(), source
