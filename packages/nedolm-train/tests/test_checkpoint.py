@@ -30,6 +30,7 @@ from nedolm.train.checkpoint import (
 )
 from nedolm.train.checksum import checksum_path
 from nedolm.train.run_lock import acquire_run_lock, release_run_lock
+from nedolm.train.sharded import MANIFEST, PAYLOAD
 
 
 def _payload(step: int) -> dict[str, object]:
@@ -162,6 +163,26 @@ def test_a_checkpoint_without_any_digest_is_skipped_unless_trusted(tmp_path: Pat
     checksum_path(checkpoint_path(tmp_path, 1)).unlink()
     with pytest.raises(CheckpointError, match=r"no valid checkpoint in .* carries no digest"):
         resume_checkpoint(tmp_path)
+
+
+def test_a_sharded_checkpoint_without_digests_is_skipped_unless_trusted(
+    tmp_path: Path, caplog
+) -> None:
+    save_checkpoint(tmp_path, 1, _payload(1), keep_last=3, keep_every=0)
+    old = checkpoint_path(tmp_path, 2).with_suffix("")  # format 1: before the digests
+    old.mkdir()
+    (old / MANIFEST).write_text(json.dumps({"format": 1, "world_size": 1, "meta": {}}))
+    torch.save({"step": 2}, old / PAYLOAD)
+    checkpoint_path(tmp_path, 3).with_suffix("").mkdir()  # a save that never finished
+    with caplog.at_level(logging.WARNING, logger="nedolm.train.checkpoint"):
+        assert resume_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+        assert resume_checkpoint(tmp_path, trust_unverified=True) == old
+    warnings = [record.getMessage() for record in caplog.records]
+    assert "step-00000003: not a complete sharded checkpoint" in warnings[0]
+    assert f"{old} carries no digest (its manifest is format 1, written before" in warnings[1]
+    assert (
+        warnings[3] == f"resuming from {old} unverified: it carries no digest (--trust-unverified)"
+    )
 
 
 def test_unreadable_checkpoint_is_refused_naming_it(tmp_path: Path) -> None:

@@ -158,13 +158,18 @@ def _loads(path: Path) -> bool:
 
 
 def _unverifiable(path: Path) -> CheckpointError:
+    if path.is_dir():
+        what = "its manifest is format 1, written before the digests"
+    else:
+        what = f"no {checksum_path(path).name} beside it and none inside it"
     return CheckpointError(
-        f"{path} carries no digest (no {checksum_path(path).name} beside it and none inside "
-        "it), so it cannot be verified; restart with --trust-unverified to resume from it anyway"
+        f"{path} carries no digest ({what}), so it cannot be verified; "
+        "restart with --trust-unverified to resume from it anyway"
     )
 
 
 def _verifiable(path: Path) -> bool:
+    """Whether a checkpoint (one that ``_validate`` read) carries digests to check."""
     if not path.is_dir():
         return has_digest(path)
     from nedolm.train.sharded import has_digests
@@ -174,13 +179,14 @@ def _verifiable(path: Path) -> bool:
 
 def _validate(path: Path, *, require_digest: bool = False) -> None:
     """Read a checkpoint of either layout, raising CheckpointError if it is not usable."""
-    if require_digest and not _verifiable(path):
-        raise _unverifiable(path)
     if not path.is_dir():
+        if require_digest and not has_digest(path):
+            raise _unverifiable(path)
         load_checkpoint(path)
         return
     from nedolm.train.sharded import (  # torch.distributed.checkpoint: only if used
         ShardedCheckpointError,
+        has_digests,
         read_payload,
         verify_sharded,
     )
@@ -189,6 +195,8 @@ def _validate(path: Path, *, require_digest: bool = False) -> None:
         verify_sharded(path)
     except ShardedCheckpointError as exc:
         raise CheckpointError(str(exc)) from exc
+    if require_digest and not has_digests(path):
+        raise _unverifiable(path)
     try:
         read_payload(path)
     except Exception as exc:
