@@ -153,3 +153,31 @@ def test_chat_template_renders_tool_calls_and_tools_like_the_builder(exported: P
             record["messages"], tools=record.get("tools"), tokenize=True, return_dict=True
         )["input_ids"]
         assert full == layout.document(roles, contents), n
+
+
+def test_repetition_penalty_and_placement_options_of_generate(exported: Path) -> None:
+    """--repetition-penalty gives transformers' generate(repetition_penalty=...) reply."""
+    chat = load_chat_model(exported)
+    prompt = chat.render([("user", PROMPT)])
+    stops = [chat.specials.message_end_id, chat.specials.eos_id]
+    theirs_model = LlamaForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
+    out = theirs_model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=24,
+        do_sample=False,
+        repetition_penalty=3.0,
+        eos_token_id=stops,
+        pad_token_id=chat.specials.pad_id,
+    )
+    theirs = [t for t in out[0, len(prompt) :].tolist() if t not in stops]
+    args = ("generate", str(exported), "--prompt", PROMPT, "--max-new-tokens", "24")
+    result = nedolm_sft(*args, "--repetition-penalty", "3.0", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == chat.tokenizer.decode(theirs).strip()
+    plain = nedolm_sft(*args)
+    assert plain.stdout != result.stdout  # the penalty changed this reply
+
+    half = nedolm_sft(*args, "--dtype", "bfloat16")
+    assert half.returncode == 0 and half.stdout.strip(), half.stderr
+    wrong = nedolm_sft(*args, "--device", "tpu:9")
+    assert wrong.returncode == 2 and "--device tpu:9" in wrong.stderr

@@ -60,6 +60,22 @@ class ChatModel:
     def layout(self) -> ConversationLayout:
         return ConversationLayout.from_specials(self.specials)
 
+    def place(self, device: str, dtype: str) -> ChatModel:
+        """Move the model to ``device`` in ``dtype`` ("auto": CUDA when there is one, then
+        bfloat16 on CUDA and float32 on CPU); returns ``self``."""
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            target = torch.device(device)
+        except RuntimeError as exc:
+            raise click.UsageError(f"--device {device}: {exc}") from exc
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise click.UsageError(f"--device {device}: this torch build sees no CUDA device")
+        if dtype == "auto":
+            dtype = "bfloat16" if target.type == "cuda" else "float32"
+        self.model.to(device=target, dtype=getattr(torch, dtype))
+        return self
+
     def reply(
         self,
         messages: Sequence[tuple[str, str]],
@@ -67,6 +83,7 @@ class ChatModel:
         max_new_tokens: int,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
         seed: int = 0,
     ) -> Iterator[str]:
         """Stream the assistant's reply as text pieces; stops at ``<|mesaj_bitir|>`` or EOS."""
@@ -85,6 +102,7 @@ class ChatModel:
             max_new_tokens=min(max_new_tokens, room),
             temperature=temperature,
             top_p=top_p,
+            repetition_penalty=repetition_penalty,
             stop_ids=(self.specials.message_end_id, self.specials.eos_id),
             generator=torch.Generator().manual_seed(seed),
         ):
@@ -185,7 +203,11 @@ def export_bundle(chat: ChatModel, out_dir: Path, *, dtype: torch.dtype | None =
 
 
 def _write_hf_tokenizer(chat: ChatModel, out_dir: Path) -> None:
-    """tokenizer.json with the control and pad tokens added at their corpus ids + a template."""
+    """tokenizer.json with the control and pad tokens added at their corpus ids + a template.
+
+    A tokenizer that already holds them at those ids (an earlier export's, when a fine-tuned
+    model is fine-tuned again) is written as it is.
+    """
     from tokenizers import AddedToken, Tokenizer
 
     tok = Tokenizer.from_str(read_tokenizer_bytes(chat.tokenizer.path).decode("utf-8"))
@@ -197,6 +219,8 @@ def _write_hf_tokenizer(chat: ChatModel, out_dir: Path) -> None:
     if specials.pad_id >= tok.get_vocab_size(with_added_tokens=True):
         extra[specials.pad_id] = "<|pad|>"
     for token_id in sorted(extra):
+        if tok.token_to_id(extra[token_id]) == token_id:
+            continue
         if tok.get_vocab_size(with_added_tokens=True) != token_id:
             raise click.ClickException(
                 f"cannot place {extra[token_id]} at id {token_id} in the exported tokenizer"

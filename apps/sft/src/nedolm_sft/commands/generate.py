@@ -15,17 +15,52 @@ data_dir_option = click.option(
     help="For a base run: the prepared corpus whose tokenizer to use (needed after init-base).",
 )
 
+placement_options = [
+    click.option(
+        "--device",
+        default="auto",
+        show_default=True,
+        help="cpu, cuda or cuda:N; auto = cuda when available, else cpu.",
+    ),
+    click.option(
+        "--dtype",
+        type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+        default="auto",
+        show_default=True,
+        help="Weights and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+    ),
+]
 sampling_options = [
     click.option("--max-new-tokens", default=128, show_default=True, help="Reply length limit."),
-    click.option("--temperature", default=0.0, show_default=True, help="0 = greedy; > 0 samples."),
-    click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass."),
+    click.option(
+        "--temperature",
+        type=click.FloatRange(min=0.0),
+        default=0.0,
+        show_default=True,
+        help="0 = greedy; > 0 samples from softmax(logits / temperature).",
+    ),
+    click.option(
+        "--top-p",
+        type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+        default=1.0,
+        show_default=True,
+        help="Nucleus sampling: keep the most likely tokens up to this probability mass.",
+    ),
+    click.option(
+        "--repetition-penalty",
+        type=click.FloatRange(min=0.0, min_open=True),
+        default=1.0,
+        show_default=True,
+        help="> 1 discourages tokens already in the conversation (as transformers' "
+        "repetition_penalty); 1 = off.",
+    ),
     click.option("--seed", default=0, show_default=True, help="Sampling seed."),
     click.option("--system", default=None, help="Optional system message."),
 ]
 
 
 def with_chat_options(command):
-    for option in reversed([data_dir_option, *sampling_options]):
+    for option in reversed([data_dir_option, *placement_options, *sampling_options]):
         command = option(command)
     return command
 
@@ -45,7 +80,13 @@ def stream_reply(chat: ChatModel, history: list[tuple[str, str]], **sampling: ob
 @click.option("--prompt", required=True, help="The user message.")
 @with_chat_options
 def generate(
-    model_dir: Path, prompt: str, system: str | None, data_dir: Path | None, **sampling: object
+    model_dir: Path,
+    prompt: str,
+    system: str | None,
+    data_dir: Path | None,
+    device: str,
+    dtype: str,
+    **sampling: object,
 ) -> None:
     """Reply to one user message with a run's newest checkpoint (SFT or base) or an export.
 
@@ -53,7 +94,7 @@ def generate(
     Example:
       nedolm-sft generate runs/sft-demo --prompt "Türkiye'nin başkenti neresidir?"
     """
-    chat = load_chat_model(model_dir, data_dir)
+    chat = load_chat_model(model_dir, data_dir).place(device, dtype)
     history = [("system", system)] if system else []
     stream_reply(chat, [*history, ("user", prompt)], **sampling)
 
@@ -61,14 +102,21 @@ def generate(
 @click.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @with_chat_options
-def chat(model_dir: Path, system: str | None, data_dir: Path | None, **sampling: object) -> None:
+def chat(
+    model_dir: Path,
+    system: str | None,
+    data_dir: Path | None,
+    device: str,
+    dtype: str,
+    **sampling: object,
+) -> None:
     """Chat interactively (empty line or Ctrl-D ends; /reset starts over).
 
     \b
     Example:
       nedolm-sft chat exports/sft-demo --temperature 0.7 --top-p 0.9
     """
-    model = load_chat_model(model_dir, data_dir)
+    model = load_chat_model(model_dir, data_dir).place(device, dtype)
     start = [("system", system)] if system else []
     history = list(start)
     click.echo(f"chatting with {model.source} (empty line to quit, /reset to start over)")

@@ -1,4 +1,5 @@
-"""Incremental decoding with a KV cache: greedy, temperature and top-p sampling, stop ids.
+"""Incremental decoding with a KV cache: greedy, temperature and top-p sampling, a repetition
+penalty, stop ids.
 
 `generate` is an iterator so a CLI can print tokens as they arrive. The prompt is fed once
 (prefill); every later step feeds one token and attends over the cached keys and values.
@@ -65,6 +66,7 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
     stop_ids: Iterable[int] = (),
     generator: torch.Generator | None = None,
 ) -> Iterator[int]:
@@ -76,6 +78,9 @@ def generate(
         max_new_tokens: tokens to produce at most.
         temperature: 0 picks the argmax (greedy); > 0 samples from softmax(logits / t).
         top_p: keep the smallest set of tokens whose probability reaches top_p (nucleus).
+        repetition_penalty: > 1 discourages every id already in the prompt or the reply (the
+            CTRL paper's rule, as transformers applies it: a positive logit is divided by it,
+            a negative one multiplied); 1 turns it off.
         stop_ids: generation ends when one of these is produced; it is not yielded.
         generator: CPU random generator for sampling (reproducible runs).
 
@@ -92,6 +97,8 @@ def generate(
             f"generate: need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got "
             f"{max_new_tokens}, {temperature}, {top_p}"
         )
+    if repetition_penalty <= 0:
+        raise ValueError(f"generate: repetition_penalty must be > 0, got {repetition_penalty}")
     total = prompt_T.numel() + max_new_tokens
     if total > cfg.max_seq_len:
         raise ValueError(
@@ -111,8 +118,12 @@ def generate(
     model.eval()
     try:
         next_ids_T = prompt_T
+        seen_V = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device)
         for _ in range(max_new_tokens):
             logits_V = model.decode(next_ids_T, cache)
+            if repetition_penalty != 1.0:
+                seen_V[next_ids_T] = True
+                logits_V = penalize_repeats(logits_V, seen_V, repetition_penalty)
             token = sample_token(logits_V, temperature, top_p, generator)
             if token in stops:
                 return
@@ -120,6 +131,12 @@ def generate(
             next_ids_T = torch.tensor([token], device=device)
     finally:
         model.train(was_training)
+
+
+def penalize_repeats(logits_V: Tensor, seen_V: Tensor, penalty: float) -> Tensor:
+    """Logits with every ``seen_V`` id made less likely by ``penalty`` (> 1), sign-aware."""
+    penalized = torch.where(logits_V > 0, logits_V / penalty, logits_V * penalty)
+    return torch.where(seen_V, penalized, logits_V)
 
 
 def sample_token(
