@@ -127,18 +127,32 @@ def test_real_process_exits_non_zero_without_traceback(tmp_path):
 TOOL_CHAT = FIXTURES / "tool_chat" / "glaive_toolcall_en_demo.jsonl"
 
 
-def test_prepare_skips_bad_records_and_reports_them(tmp_path):
-    """--on-bad-record skip: bad lines of a real file are dropped, counted, located."""
+def _mixed(tmp_path: Path) -> Path:
+    """Three good lines of a real file with a malformed line and an unsupported role."""
     good = TOOL_CHAT.read_text(encoding="utf-8").splitlines()[:3]
     lines = [good[0], "{broken", good[1], '{"messages": [{"role": "narrator", "content": "x"}]}']
     source = tmp_path / "mixed.jsonl"
     source.write_text("\n".join([*lines, good[2]]) + "\n", encoding="utf-8")
+    return source
+
+
+def test_prepare_drops_bad_records_with_one_switch_and_says_why(tmp_path):
+    """--on-bad-record drop: bad lines of a real file are dropped, counted, located, and each
+    reason printed with what it is and what to do."""
+    source = _mixed(tmp_path)
     report_file = tmp_path / "report.json"
     args = ["prepare", source, "--tokenizer", TOKENIZER, "--out", tmp_path / "o", "--seq-len"]
-    result = _run(*args, 4096, "--on-bad-record", "skip", "--report", report_file, "--no-progress")
+    result = _run(*args, 4096, "--on-bad-record", "drop", "--report", report_file, "--no-progress")
     assert result.exit_code == 0, result.output
     assert "records 5 = kept 3 + dropped 2 (invalid_json 1, unsupported_role 1)" in result.output
-    assert "  mixed.jsonl:2: malformed JSON" in result.output
+    assert (
+        "dropped invalid_json 1: not a JSON object (malformed, cut, or a bare value);"
+        " fix the record; e.g.:\n  mixed.jsonl:2: malformed JSON" in result.output
+    )
+    assert (
+        "dropped unsupported_role 1: a role outside system/user/assistant/tool;"
+        " map it with --map-role FROM=TO; e.g.:\n  mixed.jsonl:4: " in result.output
+    )
     report = json.loads(report_file.read_text(encoding="utf-8"))
     (only,) = report["sources"]
     assert only["records"] == only["kept"] + sum(only["dropped"].values()) == 5
@@ -148,6 +162,76 @@ def test_prepare_skips_bad_records_and_reports_them(tmp_path):
     assert refused.exit_code == 1
     assert len(refused.output.strip().splitlines()) == 1
     assert refused.output.startswith("Error: mixed.jsonl:2: malformed JSON: ")
+    assert refused.output.rstrip().endswith(
+        "; --on-bad-record drop drops and counts such records instead"
+    )
+
+
+def test_old_bad_record_flags_still_work(tmp_path):
+    """skip (the old verb) means drop; --invalid-records (hidden, the old name) and the
+    --unsupported-roles refinement each set their own part of the policy."""
+    source = _mixed(tmp_path)
+    args = ["prepare", source, "--tokenizer", TOKENIZER, "--seq-len", 4096, "--no-progress"]
+    both = "records 5 = kept 3 + dropped 2 (invalid_json 1, unsupported_role 1)"
+    skip = _run(*args, "--out", tmp_path / "a", "--on-bad-record", "skip")
+    assert skip.exit_code == 0 and both in skip.output
+    old = _run(
+        *args, "--out", tmp_path / "b", "--invalid-records", "drop", "--unsupported-roles", "drop"
+    )
+    assert old.exit_code == 0 and both in old.output
+    assert "note: --invalid-records is the old name of --on-bad-record" in old.output
+    roles_only = CliRunner().invoke(
+        cli, [str(a) for a in [*args, "--out", tmp_path / "c", "--unsupported-roles", "drop"]]
+    )
+    assert roles_only.exit_code == 1 and "mixed.jsonl:2: malformed JSON" in roles_only.output
+    help_text = _run("prepare", "--help").output
+    assert "--on-bad-record [error|drop]" in help_text and "--invalid-records" not in help_text
+
+
+def test_length_drops_name_the_longest_message(tmp_path):
+    """The upstream glaive array at seq_len 1024 drops records with an assistant message longer
+    than a window, the Turkish fixtures one with a long context message: each hint names
+    --seq-len and the longest such message, which the examples list."""
+    report_file = tmp_path / "report.json"
+    glaive = SHARED_DATA / "tool_chat" / "original" / "glaive_toolcall_en_demo.json"
+    args = ["--tokenizer", TOKENIZER, "--seq-len", 1024, "--no-progress", "--report", report_file]
+    result = _run("prepare", glaive, *INPUTS, "--out", tmp_path / "o", *args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_file.read_text(encoding="utf-8"))
+    longest = report["drop_longest"]
+    assert set(longest) == {"hard_continuation", "message_too_long"}
+    for reason, what in (
+        ("hard_continuation", "an assistant message"),
+        ("message_too_long", "a context message (system, user or tool)"),
+    ):
+        assert (
+            f": {what} longer than --seq-len 1024 tokens (longest: {longest[reason]}); raise --seq-len"
+            in result.output
+        )
+        lengths = [int(m.split(" of ")[1].split()[0]) for m in report["drop_examples"][reason]]
+        assert max(lengths) == longest[reason] > 1025
+    assert "glaive_toolcall_en_demo.json: record 243: a message (assistant) of" in result.output
+
+
+def test_prepare_warns_of_duplicates_once_and_names_dedup(tmp_path):
+    again = tmp_path / "again.jsonl"
+    shutil.copyfile(INPUTS[0], again)
+    args = ["--tokenizer", TOKENIZER, "--seq-len", 1024, "--no-progress"]
+    report_file = tmp_path / "report.json"
+    result = _run(
+        "prepare", *INPUTS, again, "--out", tmp_path / "a", *args, "--report", report_file
+    )
+    assert result.exit_code == 0, result.output
+    sources = json.loads(report_file.read_text(encoding="utf-8"))["sources"]
+    copies = sum(1 for line in again.read_text(encoding="utf-8").splitlines() if line.strip())
+    assert sources[-1]["duplicate_conversations"] == copies
+    dups = sum(s["duplicate_conversations"] for s in sources)  # + the Alpaca twin of seed_tasks
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1  # mistral_v1 loses no character: no warning about that
+    assert warnings[0].startswith(f"warning: {dups} kept conversations (")
+    assert warnings[0].endswith("--dedup drops them")
+    deduped = _run("prepare", *INPUTS, again, "--out", tmp_path / "b", *args, "--dedup")
+    assert "warning:" not in deduped.output
 
 
 def test_prepare_reads_parquet_and_trains_tool_calls_on_request(tmp_path):
@@ -190,6 +274,7 @@ def test_prepare_and_stats_report_coverage_and_duplicates(tmp_path):
         row = f"{s['records']:>8}  {s['kept']:>8}  {s['unk_target_tokens']:>6}  {s['lost_characters']:>6}"
         assert f"{s['name']}  " in result.output and row in result.output
 
+    assert f"warning: the tokenizer loses {lost} characters (" in result.output
     stats = _run("stats", out)
     assert stats.exit_code == 0
     assert f"<unk> ids in targets: {unk} (" in stats.output

@@ -12,7 +12,7 @@ import sentencepiece
 
 from nedolm.data.builder import BuildError, BuildOptions, build_corpus
 from nedolm.data.format import discover_shards
-from nedolm.data.sources import InputError, RecordPolicy
+from nedolm.data.sources import BadRecordError, InputError, RecordPolicy
 
 GOOD = {
     "messages": [{"role": "user", "content": "Merhaba"}, {"role": "assistant", "content": "Selam!"}]
@@ -88,8 +88,9 @@ def test_unsupported_role_has_its_own_policy(tmp_path, sentencepiece_model):
     line, _ = BAD_LINES["unsupported_role"]
     path = _write(tmp_path / "chats.jsonl", [json.dumps(GOOD), line])
     only_invalid = BuildOptions(seq_len=64, policy=RecordPolicy(invalid_records="drop"))
-    with pytest.raises(InputError, match="drop such records with --unsupported-roles drop"):
+    with pytest.raises(BadRecordError, match=r"\(map it with --map-role FROM=TO\)$") as error:
         build_corpus([path], sentencepiece_model, tmp_path / "out", only_invalid)
+    assert error.value.reason == "unsupported_role"
 
 
 def test_no_assistant_message_and_too_long_messages_are_always_dropped(
@@ -112,6 +113,20 @@ def test_no_assistant_message_and_too_long_messages_are_always_dropped(
         "no_target": 1,
     }
     assert report.documents == 1
+    # Each length drop says which message and how long; the report keeps the longest.
+    (context,) = report.drop_examples["message_too_long"]
+    (target,) = report.drop_examples["hard_continuation"]
+    longest = report.drop_longest
+    assert context == (
+        f"chats.jsonl:2: a message (system) of {longest['message_too_long']} tokens,"
+        " more than a --seq-len 64 window holds (65)"
+    )
+    assert target == (
+        f"chats.jsonl:3: a message (assistant) of {longest['hard_continuation']} tokens,"
+        " more than a --seq-len 64 window holds (65)"
+    )
+    assert min(longest.values()) > 200  # 200 words, plus the headers and control tokens
+    assert report.drop_examples["no_target"] == ["chats.jsonl:1: no assistant message is a target"]
 
 
 def test_duplicate_record_ids(tmp_path, sentencepiece_model):

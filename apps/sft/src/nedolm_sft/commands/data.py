@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 import msgspec
 
+from nedolm.data.advice import build_warnings, drop_hint, stop_hint
 from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.build_options import DEFAULT_SHARDS, DEFAULT_VAL_FRACTION
 from nedolm.data.builder import BuildError, BuildOptions, BuildReport, build_corpus
@@ -16,15 +17,22 @@ from nedolm.data.contract import PACKING_AUDIT_FILE
 from nedolm.data.format import ShardFormatError
 from nedolm.data.inputs import FORMATS
 from nedolm.data.packing import discover_sft_shards
-from nedolm.data.sources import MAX_LINE_BYTES, InputError, RecordPolicy
+from nedolm.data.sources import MAX_LINE_BYTES, BadRecordError, InputError, RecordPolicy
 from nedolm.data.stats import corpus_stats, packing_quality
 from nedolm.data.summary import REPORTED, corpus_summary
 from nedolm.data.tokenizer import TokenizerError
 from nedolm.data.verify import check_corpus
 
 _USER_ERRORS = (InputError, BuildError, TokenizerError, ShardFormatError)
-_BAD_RECORD = {"error": "error", "skip": "drop"}
-"""--on-bad-record -> the RecordPolicy value of both --invalid-records and --unsupported-roles."""
+
+
+class _BadRecordVerb(click.Choice):
+    """error | drop; ``skip``, the verb of earlier versions, still means drop."""
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> str:
+        return super().convert("drop" if value == "skip" else value, param, ctx)
 
 
 def _role_map(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -104,11 +112,21 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     f" (default {DEFAULT_VAL_FRACTION:g}: the last of {DEFAULT_SHARDS}); 0 holds out none.",
 )
 @click.option(
-    "--unsupported-roles",
-    type=click.Choice(["error", "drop"]),
+    "--on-bad-record",
+    type=_BadRecordVerb(["error", "drop"]),
     default="error",
     show_default=True,
-    help="A role outside system/user/assistant/tool: stop, or drop the record and count it.",
+    help="A record that cannot be used as it is (malformed JSON or UTF-8, wrong types, empty"
+    " content, control or special tokens in the text, invalid tool calls or ShareGPT turns,"
+    " roles outside system/user/assistant/tool, lines over --max-line-bytes): error stops at"
+    " the first, naming file and record; drop drops it and counts it per reason. Records"
+    " without targets or with a message longer than a window are always dropped and counted.",
+)
+@click.option(
+    "--unsupported-roles",
+    type=_BadRecordVerb(["error", "drop"]),
+    help="Refines --on-bad-record for unsupported roles alone, e.g. --unsupported-roles drop"
+    " drops the records with other roles but still stops on anything else.",
 )
 @click.option(
     "--map-role",
@@ -118,16 +136,8 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
 )
 @click.option(
     "--invalid-records",
-    type=click.Choice(["error", "drop"]),
-    default="error",
-    show_default=True,
-    help="Malformed JSON, empty content, control strings, ...: stop, or drop and count.",
-)
-@click.option(
-    "--on-bad-record",
-    type=click.Choice(["error", "skip"]),
-    help="Shorthand for both policies above: error stops on the first bad record (the default);"
-    " skip drops and counts malformed JSON, wrong types and unsupported roles.",
+    type=_BadRecordVerb(["error", "drop"]),
+    hidden=True,  # the old name: --on-bad-record for every reason but roles
 )
 @click.option(
     "--train-tool-calls",
@@ -145,7 +155,8 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     type=click.IntRange(min=1),
     default=MAX_LINE_BYTES,
     show_default=True,
-    help="A longer input line is a bad record (see --invalid-records), skipped without reading it whole.",
+    help="A longer input line (or JSON-array record) is a bad record (see --on-bad-record),"
+    " skipped without reading it whole.",
 )
 @click.option(
     "--workers",
@@ -168,7 +179,12 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     help="Drop a conversation identical to an earlier one (tokens and targets); always counted.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an --out that holds a different corpus.")
-@click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option(
+    "--progress/--no-progress",
+    default=True,
+    show_default=True,
+    help="A progress bar over the bytes of input read (on stderr).",
+)
 def prepare(
     inputs: tuple[Path, ...],
     input_format: str,
@@ -180,10 +196,10 @@ def prepare(
     shard_tokens: int | None,
     val_shards: str | None,
     val_fraction: float | None,
-    unsupported_roles: str,
+    on_bad_record: str,
+    unsupported_roles: str | None,
     map_role: tuple[str, ...],
-    invalid_records: str,
-    on_bad_record: str | None,
+    invalid_records: str | None,
     train_tool_calls: bool,
     report_path: Path | None,
     max_line_bytes: int,
@@ -214,8 +230,8 @@ def prepare(
             val_shards=_shard_ids(val_shards),
             val_fraction=val_fraction,
             policy=RecordPolicy(
-                invalid_records=_BAD_RECORD.get(on_bad_record, invalid_records),
-                unsupported_roles=_BAD_RECORD.get(on_bad_record, unsupported_roles),
+                invalid_records=invalid_records or on_bad_record,
+                unsupported_roles=unsupported_roles or on_bad_record,
                 role_map=_role_map(map_role),
                 train_tool_calls=train_tool_calls,
                 unknown_tokens=unknown_tokens,
@@ -229,14 +245,26 @@ def prepare(
         )
         started = time.perf_counter()
         report = build_corpus(inputs, tokenizer, out, options, progress=progress)
+    except BadRecordError as exc:
+        raise click.ClickException(f"{exc}; {stop_hint(exc.reason)}") from exc
     except (*_USER_ERRORS, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
-    _echo_report(report, time.perf_counter() - started)
+    if invalid_records is not None:
+        click.echo("note: --invalid-records is the old name of --on-bad-record", err=True)
+    _echo_report(report, seq_len, time.perf_counter() - started)
+    if not report.validation_shard_ids and options.default_split:
+        click.echo(
+            "warning: no shard is held out for validation (the corpus has one shard);"
+            " give --shards 2 or more, or --val-fraction 0 to mean none",
+            err=True,
+        )
+    for warning in build_warnings(report):
+        click.echo(warning, err=True)
     if report_path is not None:
         atomic_write_bytes(report_path, msgspec.json.format(msgspec.json.encode(report)) + b"\n")
 
 
-def _echo_report(report: BuildReport, seconds: float) -> None:
+def _echo_report(report: BuildReport, seq_len: int, seconds: float) -> None:
     width = max(len(s.name) for s in report.sources)
     click.echo(
         f"{'input':<{width}}  {'records':>8}  {'kept':>8}  {'unk':>6}  {'lost':>6}  {'dups':>6}"
@@ -257,7 +285,8 @@ def _echo_report(report: BuildReport, seconds: float) -> None:
         + (f" ({reasons})" if reasons else "")
     )
     for reason, examples in report.drop_examples.items():
-        click.echo(f"dropped {reason}, e.g.:")
+        hint = drop_hint(reason, seq_len, report.drop_longest.get(reason, 0))
+        click.echo(f"dropped {reason} {dropped[reason]}: {hint}; e.g.:")
         for example in examples:
             click.echo(f"  {example}")
     state = "unchanged (identical rebuild)" if report.identical_rebuild else "written"

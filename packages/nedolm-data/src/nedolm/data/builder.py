@@ -41,7 +41,7 @@ from nedolm.data.shards import ShardSink
 from nedolm.data.sources import (
     DUPLICATE_CONVERSATION,
     DUPLICATE_RECORD,
-    InputError,
+    BadRecordError,
     Rejected,
     SourceLabel,
 )
@@ -77,6 +77,8 @@ class BuildReport(msgspec.Struct, frozen=True):
     tokens: int
     identical_rebuild: bool  # ``out`` already held exactly this corpus; nothing changed
     drop_examples: dict[str, list[str]] = {}  # reason -> up to DROP_EXAMPLES messages
+    drop_longest: dict[str, int] = {}  # message_too_long, hard_continuation -> longest, tokens
+    content_characters: int = 0  # characters of the kept content (lost_characters' whole)
 
     @property
     def records(self) -> int:
@@ -102,7 +104,8 @@ def build_corpus(
     ``options.input_format``); see the module docstring for the guarantees.
 
     Raises:
-        InputError: a bad record while the policy says "error" (names file and line).
+        BadRecordError: a bad record while the policy says "error" (names file and line).
+        InputError: an input that cannot be read (a cut compressed stream, a broken array).
         BuildError: empty inputs, nothing kept, too few documents for the shards, or an
             ``out`` that holds something else.
         TokenizerError: the tokenizer cannot be loaded.
@@ -147,6 +150,8 @@ def build_corpus(
         tokens=result.report.tokens_including_eos,
         identical_rebuild=identical,
         drop_examples=streamed.drop_examples,
+        drop_longest=streamed.drop_longest,
+        content_characters=streamed.content_characters,
     )
 
 
@@ -156,6 +161,8 @@ class _Streamed(msgspec.Struct):
     sources: list[SourceReport]
     role_codes: set[int]  # roles of the kept messages: which ones SPECIAL_TOKENS.json registers
     drop_examples: dict[str, list[str]]
+    drop_longest: dict[str, int]
+    content_characters: int
 
 
 def _write_shards(
@@ -184,6 +191,8 @@ def _stream(
     names = source_labels(paths, options.input_format)
     tally = [_SourceTally() for _ in paths]
     examples: dict[str, list[str]] = {}
+    longest: Counter[str] = Counter()
+    characters = 0
     role_codes: set[int] = set()
     seen: dict[int, str] = {}  # record key -> where it was first kept
     conversations: dict[int, str] = {}  # laid-out conversation digest -> where first kept
@@ -202,8 +211,10 @@ def _stream(
                     if result.reason not in NEVER_AN_ERROR and options.policy.stops_on(
                         result.reason
                     ):
-                        raise InputError(result.message)
+                        raise BadRecordError(result.reason, result.message)
                     counts.dropped[result.reason] += 1
+                    if result.tokens > longest[result.reason]:
+                        longest[result.reason] = result.tokens
                     quoted = examples.setdefault(result.reason, [])
                     if len(quoted) < DROP_EXAMPLES:
                         quoted.append(result.message)
@@ -216,6 +227,7 @@ def _stream(
                 counts.kept += 1
                 counts.unk_target_tokens += result.unk_target_tokens
                 counts.lost_characters += result.lost_characters
+                characters += result.characters
             bar.set_postfix(records=sum(t.records for t in tally), refresh=False)
     if not any(t.kept for t in tally):
         dropped = sum((t.dropped for t in tally), Counter())
@@ -223,7 +235,13 @@ def _stream(
     sources = [
         t.entry(n.name, input_sha256(p)) for n, p, t in zip(names, paths, tally, strict=True)
     ]
-    return _Streamed(sources, role_codes, dict(sorted(examples.items())))
+    return _Streamed(
+        sources,
+        role_codes,
+        dict(sorted(examples.items())),
+        dict(sorted(longest.items())),
+        characters,
+    )
 
 
 @dataclass

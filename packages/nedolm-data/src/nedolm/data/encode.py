@@ -28,7 +28,11 @@ import numpy as np
 from nedolm.data.build_options import BuildOptions
 from nedolm.data.format import SpecialTokens
 from nedolm.data.inputs import input_size, read_records
-from nedolm.data.packing import document_drop_reason
+from nedolm.data.packing import (
+    DROP_HARD_CONTINUATION,
+    DROP_MESSAGE_TOO_LONG,
+    document_drop_reason,
+)
 from nedolm.data.records import ROLE_NAMES, token_dtype
 from nedolm.data.render import ConversationLayout, message_segments
 from nedolm.data.sources import (
@@ -58,6 +62,7 @@ class EncodedDocument:
     conversation_key: int  # digest of the laid-out document: exact duplicates share it
     unk_target_tokens: int  # <unk> ids inside trainable content
     lost_characters: int  # content characters that encode → decode does not give back
+    characters: int  # content characters in all (what lost_characters is a share of)
 
 
 Encoded = EncodedDocument | Rejected
@@ -143,7 +148,7 @@ class ChunkEncoder:
         )
         reason = document_drop_reason(segments, self.seq_len)
         if reason is not None:
-            return Rejected(reason, f"{where}: dropped ({reason})")
+            return planner_rejection(where, reason, segments, self.seq_len)
         tokens = np.array(
             self.layout.document([ROLE_NAMES[m.role] for m in conv.messages], contents), self.dtype
         )
@@ -162,6 +167,7 @@ class ChunkEncoder:
                 c.count(unk) for c, m in zip(contents, conv.messages, strict=True) if m.trainable
             ),
             lost_characters=lost,
+            characters=sum(len(m.text) for m in conv.messages),
         )
 
     def _unknown(self, where: str, contents: list[list[int]]) -> Rejected | None:
@@ -177,6 +183,23 @@ class ChunkEncoder:
                     " outside the tokenizer's vocabulary); --unknown-tokens keep counts them",
                 )
         return None
+
+
+def planner_rejection(where: str, reason: str, segments: np.ndarray, seq_len: int) -> Rejected:
+    """The drop of a document no window plan can use, saying which message and how long."""
+    lengths = segments["length"].astype(np.int64)
+    if reason == DROP_HARD_CONTINUATION:
+        lengths = np.where(segments["trainable"] != 0, lengths, 0)
+    if reason not in (DROP_HARD_CONTINUATION, DROP_MESSAGE_TOO_LONG):
+        return Rejected(reason, f"{where}: no assistant message is a target")
+    i = int(np.argmax(lengths))  # the longest (its index may differ from the record's, e.g.
+    role = ROLE_NAMES[int(segments["role"][i])]  # after a system message added for tools)
+    return Rejected(
+        reason,
+        f"{where}: a message ({role}) of {lengths[i]} tokens, more than a --seq-len {seq_len}"
+        f" window holds ({seq_len + 1})",
+        tokens=int(lengths[i]),
+    )
 
 
 @dataclass

@@ -256,8 +256,8 @@ def oversized_rejection(raw: bytes, where: str, limit: int) -> Rejected | None:
     what = "line" if isinstance(raw, OversizedLine) else "record"
     return Rejected(
         LINE_TOO_LONG,
-        f"{where}: the {what} holds {raw.size} bytes, more than the limit of {limit} "
-        "(--max-line-bytes); drop such records with --on-bad-record drop",
+        f"{where}: the {what} holds {raw.size} bytes, more than the limit of {limit}"
+        " (--max-line-bytes)",
     )
 
 

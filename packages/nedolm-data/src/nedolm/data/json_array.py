@@ -26,7 +26,7 @@ _CHUNK = 1 << 18
 # escape: megabytes for one long string.
 _TOKEN = re.compile(rb'"[^"\\]*"|["\[\]{},]')
 _OPENS = {ord("["): ord("]"), ord("{"): ord("}")}
-_QUOTE, _BACKSLASH, _COMMA = ord('"'), ord("\\"), ord(",")
+_QUOTE, _BACKSLASH, _COMMA, _CLOSE_BRACE = ord('"'), ord("\\"), ord(","), ord("}")
 _BOM = b"\xef\xbb\xbf"
 _WHITESPACE = b" \t\r\n"
 
@@ -91,7 +91,7 @@ class _Scanner:
                     elif stack:  # a closer or a comma inside the element
                         if byte != _COMMA:
                             self._close(stack, byte, at)
-                    elif byte == _OPENS[ord("{")]:
+                    elif byte == _CLOSE_BRACE:
                         self._fail(at, "a '}' closes the array's '['; the array cannot be read on")
                     else:  # a comma or the array's own ']' ends the element
                         item = self._element(start, at, skipped, last=byte != _COMMA)
@@ -122,7 +122,7 @@ class _Scanner:
         return self.buf.index(b"[") + 1
 
     def _element(self, start: int, end: int, skipped: int, last: bool) -> bytes | None:
-        raw = bytes(self.buf[start:end]).strip(_WHITESPACE)
+        raw = bytes(self.buf[start:end].strip(_WHITESPACE))
         size = skipped + end - start if skipped else len(raw)
         if not raw and not skipped:
             if last and self.index == 0:

@@ -57,6 +57,14 @@ class InputError(ValueError):
     """Bad input the user asked to stop on; the message names the file and line."""
 
 
+class BadRecordError(InputError):
+    """A record the policy stops on (``reason``), where dropping it was an option."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class RecordPolicy:
     """What to do with records that cannot become a conversation as they are."""
@@ -115,6 +123,7 @@ class SourceLabel:
 class Rejected:
     reason: str
     message: str  # "<file>:<line>: <what is wrong>"
+    tokens: int = 0  # message_too_long, hard_continuation: the longest such message's length
 
 
 class _Reject(Exception):
@@ -180,7 +189,7 @@ def _chat_messages(raw_messages: Any, policy: RecordPolicy) -> tuple[Message, ..
             raise _Reject(
                 UNSUPPORTED_ROLE,
                 f"messages[{i}] has role {item['role']!r}; supported: {', '.join(ROLE_NAMES)}"
-                " (map it with --map-role or drop such records with --unsupported-roles drop)",
+                " (map it with --map-role FROM=TO)",
             )
         role = _ROLE_CODES[role_name]
         tool_calls = item.get("tool_calls") if role == ROLE_ASSISTANT else None
