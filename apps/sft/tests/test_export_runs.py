@@ -93,15 +93,14 @@ def morph_base(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
-@pytest.fixture(scope="module")
-def morph_run(morph_base: Path, corpus: Path) -> Path:
-    """The morph base fine-tuned for 3 steps by ``nedolm-sft run``."""
-    root = morph_base.parent
+def fine_tune(base: Path, data_dir: Path, run_dir: Path) -> Path:
+    """``run_dir``: the base run ``base`` fine-tuned on ``data_dir`` for 3 steps by ``nedolm-sft
+    run`` (its YAML beside the run directory)."""
     config = {
-        "run_dir": str(root / "run"),
-        "base_config": str(morph_base / "config.yaml"),
-        "base_run_dir": str(morph_base),
-        "data_dir": str(corpus),
+        "run_dir": str(run_dir),
+        "base_config": str(base / "config.yaml"),
+        "base_run_dir": str(base),
+        "data_dir": str(data_dir),
         "optim": {"lr": 3e-3, "warmup_steps": 1},
         "train": {
             "seq_len": 256,
@@ -113,9 +112,15 @@ def morph_run(morph_base: Path, corpus: Path) -> Path:
         },
         "validation": {"enabled": False},
     }
-    (root / "sft.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
-    cli("run", root / "sft.yaml")
-    return root / "run"
+    path = run_dir.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    cli("run", path)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def morph_run(morph_base: Path, corpus: Path) -> Path:
+    return fine_tune(morph_base, corpus, morph_base.parent / "run")
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +248,39 @@ def test_import_hf_base_exports_the_original_logits(hf_llama, tmp_path, morph_ex
     args = ("--prompt", PROMPT, "--max-new-tokens", 12)
     from_run = cli("generate", base, *args)
     assert from_run.strip() and from_run == cli("generate", tmp_path / "export", *args)
+
+
+def test_a_fine_tuned_model_is_fine_tuned_again_twice(corpus: Path, tmp_path: Path) -> None:
+    """export → import-hf → prepare --tokenizer EXPORT → run → export, twice: the exported
+    tokenizer already holds the control tokens, and keeps them at the corpus's ids."""
+    sets = [arg for item in [*MORPH_TINY, "n_morph_classes=0", "morph_expert_dim=0"]
+            for arg in ("--set", item)]  # fmt: skip
+    cli("init-base", "--preset", "tiny", "--data-dir", corpus, "--out", tmp_path / "base0", *sets)
+    export = tmp_path / "export0"
+    cli("export", fine_tune(tmp_path / "base0", corpus, tmp_path / "run0"), "--out", export)
+    want = json.loads((corpus / "SPECIAL_TOKENS.json").read_text())
+    vocab_size = json.loads((export / "config.json").read_text())["vocab_size"]
+    for n in (1, 2):
+        cli("import-hf", export, "--out", tmp_path / f"base{n}")
+        data = tmp_path / f"data{n}"
+        cli("prepare", corpus.parent / "sample.jsonl", "--tokenizer", export, "--out", data,
+            "--seq-len", 256, "--shards", 2, "--no-progress")  # fmt: skip
+        got = json.loads((data / "SPECIAL_TOKENS.json").read_text())
+        keys = ("eos_id", "pad_id", "message_start_id", "message_end_id", "vocab_size")
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, n
+        run = fine_tune(tmp_path / f"base{n}", data, tmp_path / f"run{n}")
+        export = tmp_path / f"export{n}"
+        cli("export", run, "--out", export)
+        assert json.loads((export / "config.json").read_text())["vocab_size"] == vocab_size
+        tokenizer = AutoTokenizer.from_pretrained(export)
+        assert len(tokenizer) == vocab_size
+        assert tokenizer.encode("<|mesaj_basla|><|mesaj_bitir|>", add_special_tokens=False) == [
+            want["message_start_id"],
+            want["message_end_id"],
+        ]
+        ours = load_chat_model(run).model
+        theirs = LlamaForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+        tokens = random_ids(vocab_size, (2, 48))
+        with torch.no_grad():
+            diff = (ours(tokens)[1] - theirs(tokens).logits).abs().max().item()
+        assert diff <= 1e-4, (n, diff)
