@@ -86,6 +86,13 @@ def test_init_base_then_run_a_smoke_fine_tune(
     assert "step 3/3 epoch " in result.stderr and "resuming" not in result.stderr
     assert load_checkpoint(latest_checkpoint(tmp_path / "run"))["step"] == 3
 
+    # A single process's refusal is one line, without the "rank 0: ResumeRefused:" frame.
+    result = nedolm_sft(*real, "--set", "optim.lr=0.5", env=QUIET_ENV)
+    assert result.returncode == 1
+    assert "error: load SFT checkpoint failed: refusing to resume from " in result.stderr
+    assert "training.recipe.optim.lr: checkpoint 0.001 != now 0.5" in result.stderr
+    assert "rank 0" not in result.stderr.splitlines()[-2], result.stderr
+
 
 def test_print_config_resolves_overrides_and_leaves_the_run_dir_untouched(
     nedolm_sft: RunCli, tmp_path: Path

@@ -8,6 +8,7 @@ SIGTERM in those seconds would kill the job with no word of why.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -56,12 +57,17 @@ def cli(ctx: click.Context, debug: bool) -> None:
     """NedoLM SFT: turn a pretrained NedoLM into a Turkish chat assistant.
 
     \b
-    Typical session:
-      nedolm-sft demo                      # everything below on a shipped sample
-      nedolm-sft prepare data/*.jsonl --tokenizer tokenizer.json --seq-len 2048 --out corpus/
-      nedolm-sft init-base --preset tiny --data-dir corpus/ --out base/
+    Typical session (your chat data, a Hugging Face Llama/Mistral model):
+      nedolm-sft demo                  # first: everything below on a shipped sample
+      nedolm-sft import-hf models/my-llama --out runs/base
+      nedolm-sft prepare data/*.jsonl --tokenizer models/my-llama --seq-len 2048 --out corpus/
+      nedolm-sft run sft.yaml --print-config   # check the resolved config, then run it
       nedolm-sft run sft.yaml
       nedolm-sft export runs/sft --out hf/
+    \b
+    sft.yaml: copy examples/sft.yaml of the repository (every key, documented) and set
+    run_dir, base_config/base_run_dir (runs/base) and data_dir (corpus/); the demo writes
+    a small working one into its --out directory.
     """
     ctx.obj = {"debug": debug}
 
@@ -83,9 +89,20 @@ def main() -> None:
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         if "--debug" in sys.argv[1:]:
             raise
-        click.secho(f"error: {exc}", fg="red", err=True)
+        click.secho(f"error: {_message(exc)}", fg="red", err=True)
         click.echo("hint: run with `nedolm-sft --debug ...` for the full traceback", err=True)
         sys.exit(1)
+
+
+def _message(exc: Exception) -> str:
+    """The error in one line; a single process's RankError drops its "rank 0: Class:" frame,
+    which only helps tell ranks apart."""
+    from nedolm.dist import RankError  # torch is loaded by now: only commands raise these
+
+    single = os.environ.get("WORLD_SIZE", "1") == "1"
+    if isinstance(exc, RankError) and single and exc.__cause__ is not None:
+        return f"{exc.action} failed: {exc.__cause__}"
+    return str(exc)
 
 
 def _command_name(args: list[str]) -> str | None:

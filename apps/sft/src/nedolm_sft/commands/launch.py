@@ -47,9 +47,10 @@ HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
     "argv", nargs=-1, type=click.UNPROCESSED, metavar="[TORCHRUN OPTIONS] CONFIG [RUN OPTIONS]"
 )
 def launch(argv: tuple[str, ...]) -> None:
-    """Start ``nedolm-sft run CONFIG [RUN OPTIONS]`` on every rank, like torchrun.
+    """Start "nedolm-sft run CONFIG [RUN OPTIONS]" on every rank, like torchrun.
 
-    Takes torchrun's options (``torchrun --help``). A signal to this process (SIGTERM,
+    Takes torchrun's options (see torchrun --help); RUN OPTIONS (--set, --print-config,
+    --no-compile, ...) go to every rank's run. A signal to this process (SIGTERM,
     SIGUSR1, Ctrl-C, ...) stops every rank on one checkpoint: exit 0 when that worked (or when
     it came before the first step: nothing to save), else 128 + the signal number with the
     reason. A second Ctrl-C aborts (exit 130). A failed rank exits 1.

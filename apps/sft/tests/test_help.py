@@ -1,0 +1,39 @@
+"""Every command's --help describes every option, in plain text (no reST markup)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from nedolm_sft.cli import COMMANDS, cli
+
+
+def _command(name: str) -> click.Command:
+    command = cli.get_command(click.Context(cli), name)
+    assert command is not None, name
+    return command
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_is_described(name: str) -> None:
+    undescribed = [
+        param.opts[0]
+        for param in _command(name).params
+        if isinstance(param, click.Option) and not param.hidden and not (param.help or "").strip()
+    ]
+    assert undescribed == [], f"nedolm-sft {name}: options without help: {undescribed}"
+
+
+@pytest.mark.parametrize("name", ["", *sorted(COMMANDS)])
+def test_help_is_plain_text(name: str) -> None:
+    result = CliRunner().invoke(cli, [*name.split(), "--help"])
+    assert result.exit_code == 0, result.output
+    for markup in ("``", ":class:", ":func:", ".. "):
+        assert markup not in result.output, f"nedolm-sft {name} --help shows {markup!r}"
+
+
+def test_typical_session_starts_from_a_real_model_and_says_where_the_config_comes_from() -> None:
+    text = CliRunner().invoke(cli, ["--help"]).output
+    assert "nedolm-sft import-hf" in text
+    assert "sft.yaml" in text and "examples/sft.yaml" in text
