@@ -188,6 +188,27 @@ def test_save_pretrained_of_the_loaded_model_round_trips(morph_export, tmp_path)
         assert torch.equal(again(ids).logits, theirs(ids).logits)
 
 
+def test_morph_export_imports_back_as_a_morph_base(morph_run, morph_export, tmp_path) -> None:
+    """import-hf reads a morph export (experts and classes included): SFT can start from it."""
+    cli("import-hf", morph_export, "--out", tmp_path / "base")
+    base = load_chat_model(tmp_path / "base").model
+    ours = load_chat_model(morph_run).model
+    assert base.cfg.n_morph_classes == 3
+    assert torch.equal(base.morph_classes, ours.morph_classes)
+    ids = random_ids(ours.cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        assert torch.equal(base(ids)[1], ours(ids)[1])
+
+
+def test_data_dir_is_refused_for_runs_that_bring_their_tokenizer(
+    morph_run, morph_export, corpus
+) -> None:
+    for source in (morph_run, morph_export):
+        result = cli_result("generate", source, "--data-dir", corpus, "--prompt", PROMPT)
+        assert result.returncode == 2, result.stderr
+        assert "--data-dir is for base runs" in result.stderr
+
+
 def test_init_base_run_exports_and_generates(morph_base, corpus, tmp_path) -> None:
     refused = cli_result("export", morph_base, "--out", tmp_path / "x")
     assert refused.returncode != 0 and "names no tokenizer" in refused.stderr

@@ -189,7 +189,8 @@ def _load_export(export_dir: Path) -> ChatModel:
 
 
 def export_bundle(chat: ChatModel, out_dir: Path, *, dtype: torch.dtype | None = None) -> Path:
-    """Write weights (HF Llama format when dense), tokenizer files and a chat template."""
+    """Write weights (HF Llama format when dense, NedoLM with its transformers loader code when
+    morph), tokenizer files and a chat template."""
     export_hf(chat.model, out_dir, dtype=dtype)
     sidecar = out_dir / EXPORT_SIDECAR
     sidecar.mkdir(parents=True, exist_ok=True)
