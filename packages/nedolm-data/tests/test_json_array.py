@@ -279,14 +279,17 @@ def test_a_big_array_is_read_in_chunks_not_whole(tmp_path):
     path = write_array(tmp_path / "big.json", records)
     del records
     progress: list[int] = []
-    text = 0
+    text, ids = 0, []
     tracemalloc.start()
     try:
-        for _, raw in read_records(path, on_progress=progress.append):
+        for n, raw in read_records(path, on_progress=progress.append):
             text += len(raw)
+            if n % 5000 == 0:
+                ids.append((n, json.loads(raw)["id"]))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+    assert ids == [(n, n) for n in range(0, 25_000, 5000)] and n == 24_999
     assert text > 8_000_000
     assert peak < text / 8, (peak, text)  # a few read chunks of 256 KiB, not the file
     assert progress == sorted(progress) and progress[-1] == input_size(path) and len(progress) > 10
