@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from nedolm.model import ExportFormatError, export_hf, generate, load_hf
+from nedolm.model import ExportFormatError, HFImportError, export_hf, generate, load_hf
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -171,4 +171,15 @@ def test_load_hf_reads_the_legacy_morph_format(make_model, tmp_path) -> None:
         assert torch.equal(loaded(ids)[1], model(ids)[1])
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ExportFormatError, match=r"model\.safetensors: missing"):
+        load_hf(tmp_path)
+
+
+def test_load_hf_refuses_morph_classes_out_of_range(make_model, tmp_path) -> None:
+    export_hf(make_model(seed=19), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.morph_classes"][5] = 3
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(
+        HFImportError, match=r"model\.safetensors: tensor 'model\.morph_classes' must hold integer"
+    ):
         load_hf(tmp_path)

@@ -44,8 +44,8 @@ _REQUIRED_VALUES: dict[str, object] = {
     "quantization_config": None,
     "partial_rotary_factor": 1.0,
 }
-_IGNORED_TENSOR_SUFFIX = "rotary_emb.inv_freq"
-MORPH_CLASSES = "model.morph_classes"  # int64 [vocab]: the morph class of each input id  # a buffer some old checkpoints saved
+_IGNORED_TENSOR_SUFFIX = "rotary_emb.inv_freq"  # a buffer some old checkpoints saved
+MORPH_CLASSES = "model.morph_classes"  # int64 [vocab]: the morph class of each input id
 
 
 class HFImportError(ValueError):
@@ -184,6 +184,14 @@ def read_hf_state(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, Tensor]:
         raise HFImportError(
             f"{located['lm_head.weight']}: tensor 'lm_head.weight' differs from "
             "'model.embed_tokens.weight' but tie_word_embeddings is true"
+        )
+    classes = tensors.get(MORPH_CLASSES)
+    if classes is not None and (
+        classes.is_floating_point() or not ((classes >= 0) & (classes < cfg.n_morph_classes)).all()
+    ):
+        raise HFImportError(
+            f"{located[MORPH_CLASSES]}: tensor {MORPH_CLASSES!r} must hold integer morph classes "
+            f"in [0, {cfg.n_morph_classes})"
         )
     return from_llama_state(tensors, cfg)
 
