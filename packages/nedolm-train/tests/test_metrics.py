@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from nedolm.train.metrics import MetricsError, MetricsWriter, read_metrics, split_metrics
+from nedolm.train.metrics import (
+    MetricsError,
+    MetricsWriter,
+    SinkUnavailable,
+    read_metrics,
+    split_metrics,
+)
 
 
 def test_reads_what_the_writer_wrote_and_splits_validation(tmp_path: Path) -> None:
@@ -52,3 +59,39 @@ def test_a_re_trained_step_keeps_its_last_record_in_step_order(tmp_path: Path) -
         (5, 25.0),
     ]
     assert [r["step"] for r in validation] == [0, 5]
+
+
+def test_tensorboard_sink_holds_the_records_scalars(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = MetricsWriter(tmp_path, ["tensorboard"])
+    writer.write({"step": 1, "loss": 3.25, "lr": 1e-3})
+    writer.write({"step": 2, "loss": 3.0, "lr": 2e-3})
+    writer.write({"step": 2, "kind": "validation", "val_loss": 2.5})
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 3.25), (2, 3.0)]
+    assert [(e.step, e.value) for e in events.Scalars("validation/val_loss")] == [(2, 2.5)]
+
+
+def test_wandb_sink_logs_offline_into_one_run_per_run_dir(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for step in (1, 2):  # two jobs of the same run dir (a resume)
+        writer = MetricsWriter(tmp_path, ["wandb"])
+        writer.write({"step": step, "loss": 4.0 - step})
+        writer.close()
+    run_id = (tmp_path / "wandb_run_id").read_text(encoding="utf-8").strip()
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    assert all((r / f"run-{run_id}.wandb").stat().st_size > 0 for r in runs)
+
+
+@pytest.mark.parametrize("sink", ["tensorboard", "wandb"])
+def test_a_missing_sink_names_its_extra(tmp_path: Path, monkeypatch, sink: str) -> None:
+    module = "torch.utils.tensorboard" if sink == "tensorboard" else "wandb"
+    monkeypatch.setitem(sys.modules, module, None)  # how Python marks a module not importable
+    with pytest.raises(SinkUnavailable, match=rf"pip install 'nedolm-train\[{sink}\]'"):
+        MetricsWriter(tmp_path, [sink])
+    assert not (tmp_path / "metrics.jsonl").exists()

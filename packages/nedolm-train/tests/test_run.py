@@ -184,3 +184,18 @@ def test_num_epochs_sets_the_steps_and_the_log_shows_the_epoch(make_config) -> N
     assert "step 10/19 epoch 1.05 loss" in log and "step 19/19 epoch 2.00 loss" in log
     train, _ = split_metrics(read_metrics(run_dir))
     assert train[-1]["epoch"] == 2.0
+
+
+def test_report_to_mirrors_the_run_to_tensorboard_and_cpu_reports_no_mfu(make_config) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = make_config(train={"max_steps": 2, "report_to": ["tensorboard"]})
+    run(load_sft_config(config), compile=False)
+    run_dir = config.with_suffix("")
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    train, _ = split_metrics(read_metrics(run_dir))
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (r["step"], pytest.approx(r["loss"])) for r in train
+    ]
+    assert "mfu" not in train[-1]  # MFU is a CUDA figure (against the device's bf16 peak)

@@ -108,6 +108,8 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_hours: float = 71.0
     """Checkpoint and exit 0 after this much wall time (0 = no limit)."""
     save_final_checkpoint: bool = True
+    report_to: list[Literal["tensorboard", "wandb"]] = msgspec.field(default_factory=list)
+    """Mirror metrics.jsonl to these sinks (extras nedolm-train[tensorboard] / [wandb])."""
     trust_unverified: bool = False
     """Resume from a checkpoint that carries no digest (no .sha256 sidecar, none inside: written
     before digests existed) instead of skipping it as unverifiable (``--trust-unverified``)."""

@@ -30,6 +30,7 @@ from nedolm.train.checkpoint import (
 from nedolm.train.config import to_builtins
 from nedolm.train.contract import fingerprint
 from nedolm.train.faults import maybe_inject
+from nedolm.train.flops import flops_per_token, peak_bf16_flops
 from nedolm.train.metrics import MetricsWriter, format_eta
 from nedolm.train.optim import lr_at_step, set_lr
 from nedolm.train.parallel import is_sharded
@@ -55,6 +56,8 @@ class Trainer:
             t.micro_batch_size * t.grad_accum_steps * run.info.world_size * run.seq_len
         )
         self.params = [p for p in run.state.model.parameters() if p.requires_grad]
+        self.peak_flops = _cluster_peak_flops(run.info.device, run.info.world_size)
+        self.flops_per_token = flops_per_token(run.state.model.cfg, run.seq_len)
         self.job_start = time.monotonic()
         self.last_archive = time.monotonic()
         self.first_step = run.state.progress.step
@@ -136,13 +139,16 @@ class Trainer:
         }
         if run.settings.loss.use_amp:
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if self.peak_flops:
+            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak_flops
         eta = format_eta(sec_per_step * (run.max_steps - done))
 
         def write() -> None:
             assert self.writer is not None  # rank 0 owns the writer
             self.writer.write(record)
+            mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
             log.info(
-                "step %d/%d epoch %.2f loss %.4f lr %.3e gn %.3f %.0f tok/s eta %s",
+                "step %d/%d epoch %.2f loss %.4f lr %.3e gn %.3f %.0f tok/s%s eta %s",
                 done,
                 run.max_steps,
                 record["epoch"],
@@ -150,6 +156,7 @@ class Trainer:
                 lr,
                 record["grad_norm"],
                 record["tokens_per_s"],
+                mfu,
                 eta,
             )
 
@@ -295,3 +302,16 @@ class Trainer:
         self.window_targets = 0
         self.window_steps = 0
         self.window_start = time.monotonic()
+
+
+def _cluster_peak_flops(device: torch.device, world_size: int) -> float | None:
+    """The job's bf16 peak (every rank's device alike), or None off CUDA or for a device the
+    table does not know (logged once): MFU is then left out rather than guessed."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = peak_bf16_flops(name)
+    if peak is None:
+        log.info("MFU not reported: no bf16 peak known for %s", name)
+        return None
+    return peak * world_size

@@ -1,30 +1,34 @@
-"""What a run reports: ``metrics.jsonl``, a readable ``train.log``, a progress line, TensorBoard.
+"""What a run reports: ``metrics.jsonl``, a readable ``train.log``, a progress line, and the
+sinks of ``train.report_to`` (TensorBoard, Weights & Biases), each an optional extra.
 
 ``setup_logging`` routes the ``nedolm`` loggers to stderr and ``RUN_DIR/train.log``; INFO comes
 from rank 0 only (``MainRankFilter``), warnings from every rank. ``MetricsWriter`` is used on
 rank 0 only (the loop calls it through ``main_rank_call``): one JSON object per line, flushed per
 line, so a killed job loses nothing already logged. Losses are written at full precision so that
-two runs can be compared bitwise.
+two runs can be compared bitwise. ``metrics.jsonl`` is always written; the sinks mirror it.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import logging
+import os
+import secrets
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from nedolm.dist import MainRankFilter
 
-try:  # optional: TensorBoard only when it is installed
-    from torch.utils.tensorboard import SummaryWriter
-except ImportError:
-    SummaryWriter = None
-
 LOG_FILE = "train.log"
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
+"""The W&B run id of this run dir, kept so that a resumed job logs into the same W&B run."""
+SINK_EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""``train.report_to`` name -> the nedolm-train extra that installs it."""
 _FORMAT = "%(asctime)s [rank %(rank)s] %(levelname)s %(message)s"
 
 
@@ -50,30 +54,91 @@ def format_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=max(0, round(seconds))))
 
 
-class MetricsWriter:
-    """Appends metric records to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+class SinkUnavailable(RuntimeError):
+    """A ``train.report_to`` sink whose package is not installed."""
+
+
+def require_sinks(names: Sequence[str]) -> None:
+    """Refuse, before any work, a sink whose package is missing, naming the extra to install."""
+    for name in names:
+        module = "torch.utils.tensorboard" if name == "tensorboard" else name
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise SinkUnavailable(
+                f"train.report_to names {name}, which is not installed ({exc}): "
+                f"pip install 'nedolm-train[{SINK_EXTRAS[name]}]'"
+            ) from None
+
+
+class _TensorBoard:
+    def __init__(self, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, prefix: str, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _WandB:
+    """One W&B run per run dir (its id kept in the run dir), project from $WANDB_PROJECT."""
 
     def __init__(self, run_dir: Path) -> None:
+        import wandb
+
+        id_file = run_dir / WANDB_ID_FILE
+        if not id_file.is_file():
+            id_file.write_text(secrets.token_hex(8) + "\n", encoding="utf-8")
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "nedolm-sft"),
+            name=run_dir.name,
+            id=id_file.read_text(encoding="utf-8").strip(),
+            resume="allow",
+            dir=str(run_dir),
+        )
+
+    def write(self, prefix: str, step: int, scalars: dict[str, float]) -> None:
+        self._run.log({f"{prefix}/{key}": value for key, value in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+_SINKS = {"tensorboard": _TensorBoard, "wandb": _WandB}
+
+
+class MetricsWriter:
+    """Appends metric records to ``metrics.jsonl`` and mirrors their scalars to the sinks."""
+
+    def __init__(self, run_dir: Path, report_to: Sequence[str] = ()) -> None:
+        require_sinks(report_to)
         path = run_dir / METRICS_FILE
         _drop_partial_last_line(path)
         self._file = path.open("a", encoding="utf-8")
-        self._tb = SummaryWriter(str(run_dir / "tensorboard")) if SummaryWriter else None
+        self._sinks = [_SINKS[name](run_dir) for name in report_to]
 
     def write(self, record: dict[str, Any]) -> None:
-        """One record; ``step`` is the TensorBoard x axis, ``kind`` its tag prefix."""
+        """One record; ``step`` is the sinks' x axis, ``kind`` their tag prefix."""
         self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            prefix = record.get("kind", "train")
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+        scalars = {
+            key: value
+            for key, value in record.items()
+            if isinstance(value, (int, float)) and key != "step"
+        }
+        for sink in self._sinks:
+            sink.write(record.get("kind", "train"), record["step"], scalars)
 
     def close(self) -> None:
-        """Flush and close the files."""
+        """Flush and close the file and the sinks."""
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 def _drop_partial_last_line(path: Path) -> None:

@@ -1,0 +1,54 @@
+"""Model FLOPs per trained token and the accelerator's peak: the two halves of MFU.
+
+MFU (model FLOPs utilisation) as nanoGPT/nanochat and torchtitan report it: the FLOPs the model
+needs per token (6 per matmul weight for forward and backward, plus the attention scores and
+values, 12 * layers * heads * head_dim * seq_len, counted for the full row as the convention
+is), times tokens per second, over the device's dense bf16 peak. Morph experts count once per
+token (the expert of its class), the work ``sparse`` dispatch does; the loss head counts the
+whole vocabulary, though the fused head computes target positions only, so MFU stays a figure
+of the model rather than of our shortcuts.
+"""
+
+from __future__ import annotations
+
+from nedolm.model import ModelConfig
+
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) by a substring of the CUDA device name,
+# most specific first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights one token multiplies through: every block's projections, its class's morph
+    expert, and the output head over the vocabulary (padding rows are never computed)."""
+    head_dim = cfg.head_dim
+    attention = cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_heads) * head_dim
+    attention += cfg.n_heads * head_dim * cfg.d_model
+    feed_forward = 3 * cfg.d_model * cfg.ffn_dim
+    expert = 3 * cfg.d_model * cfg.morph_expert_dim if cfg.n_morph_classes else 0
+    return cfg.n_layers * (attention + feed_forward + expert) + cfg.d_model * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token of a ``seq_len`` row."""
+    attention_scores = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    return 6.0 * matmul_params_per_token(cfg) + attention_scores
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a CUDA device by its name, or None when the table lacks it."""
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in device_name), None)
