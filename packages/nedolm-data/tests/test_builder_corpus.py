@@ -276,6 +276,10 @@ def test_default_split_holds_out_a_shard(tmp_path, tr_chat_inputs, tokenizer_jso
     eight = BuildOptions(seq_len=4096, shards=8)
     assert eight.validation_ids(8) == [7]  # 5% of 8 shards, at least one
     assert BuildOptions(seq_len=4096, shards=8, val_fraction=0.3).validation_ids(8) == [5, 6, 7]
+    assert BuildOptions(seq_len=4096, val_fraction=0.07).validation_ids(100) == list(range(93, 100))
+    with pytest.raises(BuildError, match=r"\[25\] outside 0..19"):  # before any work
+        build_corpus([three], tokenizer_json, tmp_path / "e", BuildOptions(4096, val_shards=(25,)))
+    assert not (tmp_path / "e").exists()
 
 
 def test_copied_corpus_still_verifies(tmp_path, fixture_corpus):

@@ -65,11 +65,6 @@ class BuildOptions:
             raise BuildError(f"--max-line-bytes must be positive, not {self.max_line_bytes}")
 
     @property
-    def shard_count(self) -> int | None:
-        """Known before the build only when ``shards`` gives it."""
-        return self.shards
-
-    @property
     def round_robin_shards(self) -> int | None:
         """Shards dealt round-robin: ``shards`` or DEFAULT_SHARDS; None under ``shard_tokens``."""
         return None if self.shard_tokens is not None else (self.shards or DEFAULT_SHARDS)
@@ -84,7 +79,8 @@ class BuildOptions:
         ids = sorted(set(self.val_shards))
         if not self.val_shards:
             fraction = DEFAULT_VAL_FRACTION if self.val_fraction is None else self.val_fraction
-            count = math.ceil(fraction * num_shards)  # at least one shard unless fraction is 0
+            # At least one shard unless fraction is 0; rounded first: 0.07 * 100 is 7.000000000000001
+            count = math.ceil(round(fraction * num_shards, 9))
             if self.default_split and count >= num_shards:
                 return []  # one shard: nothing can be held out
             ids = list(range(num_shards - count, num_shards))

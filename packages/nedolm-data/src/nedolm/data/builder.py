@@ -114,8 +114,8 @@ def build_corpus(
     _check_inputs(paths, options)
     out = Path(out)
     check_out(out)
-    if options.shard_count is not None:
-        options.validation_ids(options.shard_count)  # refuse bad ids before the work
+    if options.round_robin_shards is not None:  # refuse bad ids before the work (the default
+        options.validation_ids(options.round_robin_shards)  # count is an upper bound)
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer_file = f"{TOKENIZER_DIR}/{tokenizer.name}"
     specials = build_special_tokens(tokenizer, tokenizer_file)
