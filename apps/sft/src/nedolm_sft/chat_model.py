@@ -20,6 +20,7 @@ import click
 import msgspec
 import torch
 
+from nedolm.data.contract import SHARD_MANIFEST_FILE
 from nedolm.data.format import SPECIAL_TOKENS_FILE, SpecialTokens, read_special_tokens
 from nedolm.data.records import MESSAGE_END_TOKEN, MESSAGE_START_TOKEN
 from nedolm.data.render import ConversationLayout, LayoutError, chat_template
@@ -123,6 +124,11 @@ def load_chat_model(path: Path, data_dir: Path | None = None) -> ChatModel:
     """
     if not path.is_dir():
         raise click.ClickException(f"{path} is not a directory (expected a run or export dir)")
+    if (path / SHARD_MANIFEST_FILE).is_file():
+        raise click.UsageError(
+            f"{path} is a prepared corpus, not a model: point at the run dir that trained on it "
+            f"(or its export); for a base run, pass the corpus as --data-dir"
+        )
     if (path / BASE_CONFIG_FILE).is_file():
         return load_base_chat_model(path, data_dir)
     if data_dir is not None:

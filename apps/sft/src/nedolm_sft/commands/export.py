@@ -46,7 +46,11 @@ def export(run_dir: Path, out: Path, dtype: str, overwrite: bool, data_dir: Path
     chat = load_chat_model(run_dir, data_dir)
     tmp = out.with_name(out.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
-    export_bundle(chat, tmp, dtype=DTYPES[dtype])
+    try:
+        export_bundle(chat, tmp, dtype=DTYPES[dtype])
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing half-written
+        raise
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
