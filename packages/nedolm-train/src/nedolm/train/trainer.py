@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import shutil
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import torch
 
 from nedolm.dist import (
     DistInfo,
@@ -22,7 +25,7 @@ from nedolm.dist import (
 from nedolm.train.checkpoint import checkpoint_step, latest_checkpoint
 from nedolm.train.config import SFTConfig
 from nedolm.train.loop import Trainer
-from nedolm.train.metrics import MetricsWriter, setup_logging
+from nedolm.train.metrics import MetricsWriter, require_sinks, setup_logging
 from nedolm.train.run_lock import LOCK_FILE, run_dir_lock
 from nedolm.train.setup import prepare_run
 from nedolm.train.signals import StopRequest, claim
@@ -57,9 +60,10 @@ def run(
     stop = stop or claim()
     if smoke_steps is not None:
         cfg = msgspec.structs.replace(cfg, run_dir=smoke_run_dir(cfg.run_dir))
+    require_sinks(cfg.train.report_to)  # a missing extra is named now, not after the setup
     info = setup_distributed()
     try:
-        with run_dir_lock(info, cfg.run_dir):
+        with run_dir_lock(info, cfg.run_dir), _deterministic_on_cpu(info.device):
             _train(cfg, info, stop, smoke_steps=smoke_steps, compile=compile)
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)  # frames would keep the DDP model alive
@@ -92,7 +96,9 @@ def _train(
         _stopped_before_start(cfg, info, stop, run_state.state.progress.step)
         return
     writer = all_rank_call(
-        info, "open metrics", lambda: MetricsWriter(cfg.run_dir) if info.is_main else None
+        info,
+        "open metrics",
+        lambda: MetricsWriter(cfg.run_dir, cfg.train.report_to) if info.is_main else None,
     )
     try:
         stopped = Trainer(run_state, stop, writer).train()
@@ -101,6 +107,35 @@ def _train(
             writer.close()
     if stopped or cfg.train.save_final_checkpoint:  # a signal may come as training ends
         record_stop(info, cfg.run_dir, run_state.state.progress.step, trained=True)
+
+
+@contextlib.contextmanager
+def _deterministic_on_cpu(device: torch.device) -> Iterator[None]:
+    """Torch's deterministic algorithms for a CPU job (restored after), so that compiled runs
+    are bitwise reproducible too.
+
+    Without them inductor's CPU kernel for the embedding's backward adds into a row from
+    several threads (atomic adds, in whatever order the threads come), and two compiled runs
+    with more than one thread differed in the last bits. Eager CPU kernels are deterministic
+    either way. Not on CUDA, where the mode needs a cuBLAS workspace setting and refuses some
+    of the kernels training uses.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
+    torch.use_deterministic_algorithms(True)
+    # Training never reads memory it did not write: skip the NaN fill of every new tensor.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
 
 
 def _stop_agreed(stop: StopRequest) -> bool:
