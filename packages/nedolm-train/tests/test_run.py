@@ -13,7 +13,7 @@ from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.config import load_sft_config
 from nedolm.train.metrics import read_metrics, split_metrics
 from nedolm.train.optim import lr_at_step
-from nedolm.train.stop_record import LAUNCH_ID_ENV, verify_stop
+from nedolm.train.stop_record import LAUNCH_ID_ENV, CleanStop, verify_stop
 from nedolm.train.trainer import run
 
 real_sha256 = checksum.file_sha256
@@ -50,7 +50,7 @@ def test_run_dir_contents_and_cadences(make_config, monkeypatch) -> None:
     log = (run_dir / "train.log").read_text(encoding="utf-8")
     assert "step 6/6 epoch 0.32 loss" in log and "eta 0:00:00" in log
     # The end of training is a clean stop too, for a signal that reaches the launcher late.
-    assert verify_stop(run_dir, "first") == 6
+    assert verify_stop(run_dir, "first") == CleanStop(step=6, trained=True)
 
     # Reusing the run dir: a finished run resumes, trains nothing and keeps its checkpoints.
     # The checkpoint it resumes from is hashed (read in full) once, not once more to load it.
