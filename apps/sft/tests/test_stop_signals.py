@@ -186,3 +186,30 @@ def test_a_sigterm_to_the_launcher_before_any_rank_trained_exits_0(
         assert f"[rank {rank}] WARNING stop requested (SIGTERM): stopped before step 1" in out
     assert "launch: SIGTERM: every rank stopped before step 1; nothing to save" in out
     assert_stopped_before_step_1(job.run_dir)
+
+
+def test_ctrl_c_in_the_launchers_terminal_stops_every_rank_and_a_second_aborts(
+    corpus: Path, base: Path, tmp_path: Path
+) -> None:
+    """A terminal's Ctrl-C reaches the launcher's process group (torch starts the ranks in
+    sessions of their own, so they hear of it from the launcher)."""
+    config = write_config(tmp_path / "ctrl-c.yaml", corpus, base)
+    job = launch(config, env={"NEDOLM_TEST_DELAY": "data_fetch=0.3"})
+    job.wait_for_step(2)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    job.wait_ok()
+    [(stopped, path)] = list_checkpoints(job.run_dir)
+    out = job.output()
+    assert f"launch: SIGINT: every rank stopped at step {stopped} on a valid checkpoint" in out
+    assert "[rank 1] nedolm: SIGINT received: stopping at the next control point" in out
+
+    job = launch(config, env={"NEDOLM_TEST_DELAY": "data_fetch=0.3,checkpoint_write=60"})
+    job.wait_for_step(stopped + 1)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    wait_for_log(job, "writing checkpoint at step", count=2)  # the first job's and this one's
+    os.killpg(job.proc.pid, signal.SIGINT)
+    assert job.wait() == 128 + signal.SIGINT, job.output()[-3000:]
+    out = job.output()
+    assert "[rank 1] nedolm: SIGINT again: aborting now, without a checkpoint" in out
+    assert f"launch: aborted by a second SIGINT: the newest valid checkpoint is {path}" in out
+    assert list_checkpoints(job.run_dir) == [(stopped, path)]

@@ -9,15 +9,17 @@ after a clean stop (``nedolm.train.stop_record``) decides the exit status.
 
 Two gaps of torch's handling are closed here (``_LauncherSignals``). Before the agent starts the
 workers it has no handlers, so a signal then (the CLI keeps one that came during the imports)
-ends the launch with exit 0 and "before any rank started". And the agent would forward a
-SIGINT as a SIGINT, but a terminal's Ctrl-C already reaches every worker directly, so the
-forwarded one would be their second (an abort): SIGINT stays this module's, and the agent
-forwards a SIGTERM for it; a second Ctrl-C aborts (exit 130), naming the checkpoint left.
+ends the launch with exit 0 and "before any rank started". And a second Ctrl-C would only
+make the agent wait for the workers' clean stop again (they run in sessions of their own, so
+a terminal's Ctrl-C reaches this process alone): SIGINT stays this module's, the first is
+forwarded as the agent would, the second is passed on to the workers, which abort, and the
+launch exits 130 naming the checkpoint left.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -97,6 +99,9 @@ def launch(argv: tuple[str, ...]) -> None:
         if signals.before_start:
             _stopped_before_start(signal_name)
             return
+        if signals.interrupts > 1:
+            click.echo(f"launch: aborted by a second SIGINT: {left_behind(cfg.run_dir)}", err=True)
+            sys.exit(128 + signal.SIGINT)
         try:
             stop = verify_stop(cfg.run_dir, launch_id)
         except UncleanStop as unclean:
@@ -110,9 +115,6 @@ def launch(argv: tuple[str, ...]) -> None:
             f"launch: {signal_name}: every rank {where}; re-run the same command to resume",
             err=True,
         )
-    except KeyboardInterrupt:
-        click.echo(f"launch: aborted by a second SIGINT: {left_behind(cfg.run_dir)}", err=True)
-        sys.exit(128 + signal.SIGINT)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise click.ClickException(
@@ -140,16 +142,24 @@ class _LauncherSignals:
         received = signal.Signals(signum)
         if received == signal.SIGINT:
             self.interrupts += 1
-            if self.interrupts > 1:
-                raise KeyboardInterrupt
+            if self.interrupts > 1:  # the agent is waiting for the workers' stop: abort it
+                _signal_children(signal.SIGINT)
+                return
         if self.first is None:
             self.first = received
             self.before_start = not self._agent_handles_signals()
-        forwarded = signal.SIGTERM if received == signal.SIGINT else received
-        raise SignalException(f"Process {os.getpid()} got signal: {received}", sigval=forwarded)
+        raise SignalException(f"Process {os.getpid()} got signal: {received}", sigval=received)
 
     def _agent_handles_signals(self) -> bool:
         return any(signal.getsignal(s) != self._handle for s in self.torch_signals)
+
+
+def _signal_children(signum: int) -> None:
+    """Send ``signum`` to this process's children: the workers the agent started (Linux)."""
+    for children in Path("/proc/self/task").glob("*/children"):
+        for pid in children.read_text(encoding="ascii").split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signum)
 
 
 def _stopped_before_start(reason: str) -> None:
