@@ -37,3 +37,16 @@ def test_typical_session_starts_from_a_real_model_and_says_where_the_config_come
     text = CliRunner().invoke(cli, ["--help"]).output
     assert "nedolm-sft import-hf" in text
     assert "sft.yaml" in text and "examples/sft.yaml" in text
+
+
+def test_prepare_format_help_separates_containers_from_the_sharegpt_schema() -> None:
+    text = " ".join(CliRunner().invoke(cli, ["prepare", "--help"]).output.split())
+    assert "Three containers: jsonl" in text
+    assert "sharegpt is not a container: jsonl with every record forced to ShareGPT" in text
+
+
+@pytest.mark.parametrize("name", ["generate", "chat"])
+def test_generate_and_chat_take_placement_and_sampling_options(name: str) -> None:
+    options = {opt for param in _command(name).params for opt in param.opts}
+    wanted = {"--device", "--dtype", "--repetition-penalty", "--temperature", "--top-p"}
+    assert wanted <= options

@@ -64,8 +64,10 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     type=click.Choice(FORMATS),
     default="auto",
     show_default=True,
-    help="Input format; auto detects it per input (JSON lines or one JSON array, plain/.gz/.zst,"
-    " with OpenAI, Alpaca or ShareGPT records; Parquet; a datasets save_to_disk directory).",
+    help="How inputs are read. Three containers: jsonl (JSON lines or one JSON array, "
+    "plain/.gz/.zst), parquet, datasets (a save_to_disk directory); in each the record schema "
+    "(OpenAI messages, Alpaca, ShareGPT) is detected per record. sharegpt is not a container: "
+    "jsonl with every record forced to ShareGPT. auto (default) detects the container per input.",
 )
 @click.option(
     "--messages-field",
