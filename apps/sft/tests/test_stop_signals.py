@@ -66,10 +66,12 @@ def run(config: Path, *options: str, env: dict[str, str] | None = None) -> Launc
     )
 
 
-def launch(config: Path, env: dict[str, str] | None = None) -> LaunchedJob:
-    """``nedolm-sft launch --standalone --nproc-per-node 2 CONFIG`` (compile as configured)."""
+def launch(config: Path, env: dict[str, str] | None = None, *options: str) -> LaunchedJob:
+    """``nedolm-sft launch --standalone --nproc-per-node 2 CONFIG OPTIONS`` (compile as
+    configured)."""
     cmd = [sys.executable, "-m", "nedolm_sft", "launch", "--standalone", "--nproc-per-node", "2"]
-    return LaunchedJob([*cmd, str(config)], config, {"NEDOLM_DIST_TIMEOUT_S": "30", **(env or {})})
+    env = {"NEDOLM_DIST_TIMEOUT_S": "30", **(env or {})}
+    return LaunchedJob([*cmd, str(config), *options], config, env)
 
 
 def wait_for_log(job: LaunchedJob, needle: str, count: int = 1) -> None:
@@ -213,3 +215,18 @@ def test_ctrl_c_in_the_launchers_terminal_stops_every_rank_and_a_second_aborts(
     assert "[rank 1] nedolm: SIGINT again: aborting now, without a checkpoint" in out
     assert f"launch: aborted by a second SIGINT: the newest valid checkpoint is {path}" in out
     assert list_checkpoints(job.run_dir) == [(stopped, path)]
+
+
+def test_a_sigterm_to_a_smoke_launch_is_judged_by_its_scratch_run_dir(
+    corpus: Path, base: Path, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path / "smoke.yaml", corpus, base)
+    job = launch(config, {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}, "--smoke-steps", "6")
+    scratch = job.run_dir.with_name(job.run_dir.name + ".smoke")  # where --smoke-steps trains
+    wait_for(job, lambda: len(trained_steps(scratch)) >= 2)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    job.wait_ok()
+    [(step, _)] = list_checkpoints(scratch)
+    assert f"launch: SIGTERM: every rank stopped at step {step} on a valid checkpoint" in (
+        job.output()
+    )

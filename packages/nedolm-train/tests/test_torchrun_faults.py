@@ -64,7 +64,7 @@ def test_sigterm_to_torchrun_stops_every_rank_on_one_checkpoint_but_torchrun_exi
     assert 3 <= step < 8 and len(state["ranks"]) == 2
     assert state["progress"]["step"] == step
     record = json.loads((job.run_dir / STOP_RECORD).read_text(encoding="utf-8"))
-    assert record == {"step": step, "world_size": 2, "launch_ids": [""]}  # no launcher id
+    assert record == {"step": step, "trained": True, "world_size": 2, "launch_ids": [""]}
 
     single = torchrun(config, nproc=1)  # another world size: refused, naming both
     assert single.wait() != 0

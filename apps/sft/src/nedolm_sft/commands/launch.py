@@ -35,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from nedolm.train.config import ConfigError, check_run_paths, dump_config, load_sft_config
 from nedolm.train.signals import claim
 from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, left_behind, verify_stop
+from nedolm.train.trainer import smoke_run_dir
 
 # torchrun's default signals plus SIGUSR1, SLURM's usual pre-emption warning; the workers
 # treat SIGTERM and SIGUSR1 as a stop request. ``--signals-to-handle`` still overrides this.
@@ -83,6 +84,8 @@ def launch(argv: tuple[str, ...]) -> None:
         check_run_paths(cfg)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    smoke = any(a.split("=")[0] == "--smoke-steps" for a in args.training_script_args)
+    run_dir = smoke_run_dir(cfg.run_dir) if smoke else cfg.run_dir  # where the ranks write
     launch_id = uuid.uuid4().hex
     os.environ[LAUNCH_ID_ENV] = launch_id  # inherited by this node's workers
     args.module, args.training_script = True, "nedolm_sft"
@@ -100,10 +103,10 @@ def launch(argv: tuple[str, ...]) -> None:
             _stopped_before_start(signal_name)
             return
         if signals.interrupts > 1:
-            click.echo(f"launch: aborted by a second SIGINT: {left_behind(cfg.run_dir)}", err=True)
+            click.echo(f"launch: aborted by a second SIGINT: {left_behind(run_dir)}", err=True)
             sys.exit(128 + signal.SIGINT)
         try:
-            stop = verify_stop(cfg.run_dir, launch_id)
+            stop = verify_stop(run_dir, launch_id)
         except UncleanStop as unclean:
             click.echo(f"launch: {signal_name}: the job did not stop cleanly: {unclean}", err=True)
             sys.exit(128 + exc.sigval)
