@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "pretrain_demo_base.py"
 DEFAULT = Path(str(files("nedolm_sft") / "default"))
 CHAT_FIXTURES = ROOT / "packages" / "nedolm-data" / "tests" / "fixtures" / "tr_chat"
-BASE_FILES = ["RECIPE.md", "config.yaml", "heldout.txt.gz", "model.safetensors"]
+BASE_FILES = ["RECIPE.md", "config.yaml", "heldout.txt.gz", "model.safetensors", "pretraining.json"]
 SMALL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1"]
 SMALL += ["--ffn-dim", "64", "--seq-len", "64", "--batch-rows", "2", "--heldout-every", "4"]
 
@@ -79,6 +79,11 @@ def test_the_shipped_base_reproduces_its_recorded_heldout_loss(tool: ModuleType)
     recorded, measured = reproduced_heldout_loss(tool, base_dir)
     assert measured == pytest.approx(recorded, abs=1e-3)
     assert measured < 8.0, "the shipped base should be far better than uniform (10.4 nats)"
+    recipe = recorded_recipe(tool, base_dir)
+    shown = json.loads((base_dir / "pretraining.json").read_text())  # what the demo prints
+    assert shown["heldout_loss"] == pytest.approx(recorded, abs=1e-4)
+    steps = recipe.stop_step or recipe.steps
+    assert shown["tokens_seen"] == steps * recipe.batch_rows * recipe.seq_len
 
 
 def test_the_shipped_base_uses_the_corpus_ids(tool: ModuleType) -> None:

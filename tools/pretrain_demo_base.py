@@ -23,6 +23,7 @@ Output (written to a temporary directory, then renamed into place)::
     OUT/model.safetensors    the weights (bf16 storage when fp32 would exceed the size cap)
     OUT/heldout.txt.gz       the held-out documents, one per line
     OUT/RECIPE.md            command, data, hyperparameters, wall time, machine, held-out loss
+    OUT/pretraining.json     parameters, tokens seen, held-out loss (the demo prints them)
 
 Example (the exact command of the shipped base is in its RECIPE.md)::
 
@@ -64,6 +65,7 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
 HELDOUT_FILE = "heldout.txt.gz"
 RECIPE_FILE = "RECIPE.md"
+PRETRAINING_FILE = "pretraining.json"  # what ``nedolm-sft demo`` says about the base
 HELDOUT_PROMPTS_FILE = "heldout_prompts.jsonl"
 MIN_BANNED_CHARS = 20
 PART_NAMES = {"all": "all", "chat": "chat conversations", "extra": "extra text"}
@@ -281,6 +283,7 @@ def write_base(
     eos_id: int,
     heldout_text: Sequence[str],
     recipe_md: str,
+    pretraining: dict[str, float] | None = None,
 ) -> None:
     """Write the base run into a temporary sibling of ``out``, then rename it into place."""
     out = out.resolve()
@@ -297,6 +300,8 @@ def write_base(
         lines = "".join(json.dumps(text, ensure_ascii=False) + "\n" for text in heldout_text)
         (tmp / HELDOUT_FILE).write_bytes(gzip.compress(lines.encode(), mtime=0))
         (tmp / RECIPE_FILE).write_text(recipe_md, encoding="utf-8")
+        if pretraining is not None:
+            (tmp / PRETRAINING_FILE).write_text(json.dumps(pretraining, indent=1) + "\n")
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         if out.exists():
             os.replace(out, old)
@@ -514,7 +519,13 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
         "final_heldout_loss": final,
     }
     recipe_md = recipe_markdown(argv=argv, recipe=recipe, cfg=cfg, stats=stats, curve=curve)
-    write_base(args.out, model, eos_id, heldout_text, recipe_md)
+    pretraining = {
+        "parameters": stats["params"],
+        "tokens_seen": (recipe.stop_step or recipe.steps) * recipe.batch_rows * recipe.seq_len,
+        "training_tokens": stats["train_tokens"],
+        "heldout_loss": round(final, 4),
+    }
+    write_base(args.out, model, eos_id, heldout_text, recipe_md, pretraining)
     report({"final_heldout_loss": final, "out": str(args.out)})
     return final
 
