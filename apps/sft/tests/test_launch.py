@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
-from nedolm.train.testing import LaunchedJob, init_tiny_base
+from nedolm.train.testing import LaunchedJob, init_tiny_base, write_stop_test_config
 
 pytestmark = pytest.mark.slow
-MAX_STEPS = 8
+MAX_STEPS = 8  # write_stop_test_config's max_steps
 SLOW_FETCH = {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}  # room to act mid-run; no numeric effect
 SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 
@@ -29,31 +28,6 @@ SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim":
 def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("base") / "base"
     return init_tiny_base(out, corpus, {**SMALL, "max_seq_len": 256}, seed=1)
-
-
-def write_config(path: Path, corpus: Path, base: Path) -> Path:
-    """An SFT YAML whose run dir is ``path`` without its suffix; a stop is honoured each step."""
-    doc = {
-        "run_dir": str(path.with_suffix("")),
-        "base_config": str(base / "config.yaml"),
-        "base_run_dir": str(base),
-        "data_dir": str(corpus),
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {
-            "seq_len": 256,
-            "micro_batch_size": 1,
-            "grad_accum_steps": 1,
-            "max_steps": MAX_STEPS,
-            "num_workers": 0,
-            "compile": False,
-            "log_interval": 1,
-            "control_interval": 1,
-            "ckpt_interval": 1000,
-        },
-        "validation": {"enabled": False},
-    }
-    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
-    return path
 
 
 def launch(
@@ -79,10 +53,10 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_resumes_exactly(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    reference = launch(write_config(tmp_path / "reference.yaml", corpus, base))
+    reference = launch(write_stop_test_config(tmp_path / "reference.yaml", corpus, base))
     reference.wait_ok()
 
-    config = write_config(tmp_path / "stopped.yaml", corpus, base)
+    config = write_stop_test_config(tmp_path / "stopped.yaml", corpus, base)
     job = launch(config, env=SLOW_FETCH)
     job.wait_for_step(3)
     os.kill(job.proc.pid, signal.SIGTERM)  # the launcher itself, as a scheduler would
@@ -114,7 +88,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_
 def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    config = write_config(tmp_path / "unclean.yaml", corpus, base)
+    config = write_stop_test_config(tmp_path / "unclean.yaml", corpus, base)
     job = launch(config, env=SLOW_FETCH)
     job.wait_for_step(2)
     rank1 = job.rank_pid(1)
@@ -131,7 +105,7 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
 def test_ranks_sigkilled_after_the_shutdown_timeout_make_the_launcher_exit_128_plus_sigterm(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    config = write_config(tmp_path / "slow.yaml", corpus, base)
+    config = write_stop_test_config(tmp_path / "slow.yaml", corpus, base)
     slow_save = {"NEDOLM_TEST_DELAY": "data_fetch=0.3,checkpoint_write=10"}
     job = launch(config, env=slow_save, options=("--shutdown-timeout", "2"))
     job.wait_for_step(2)
@@ -146,7 +120,7 @@ def test_ranks_sigkilled_after_the_shutdown_timeout_make_the_launcher_exit_128_p
 def test_sigusr1_slurms_warning_also_stops_cleanly_with_exit_0(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    job = launch(write_config(tmp_path / "usr1.yaml", corpus, base), env=SLOW_FETCH)
+    job = launch(write_stop_test_config(tmp_path / "usr1.yaml", corpus, base), env=SLOW_FETCH)
     job.wait_for_step(2)
     os.kill(job.proc.pid, signal.SIGUSR1)  # handled by the launcher by default, unlike torchrun
     job.wait_ok()

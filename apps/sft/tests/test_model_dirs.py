@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from nedolm.train.testing import mounted_tmpfs
+
 RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
 SMALL = ["d_model=64", "n_layers=1", "n_heads=2", "n_kv_heads=1", "ffn_dim=96", "max_seq_len=256"]
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"}
@@ -16,19 +18,9 @@ QUIET_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/b
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (the tests run as root): too small for any export."""
-    mount_point = tmp_path / "exports"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    assert mounted.returncode == 0, f"cannot mount a tmpfs (root needed): {mounted.stderr}"
-    try:
+    """A 1 MiB filesystem (the tests run as root): too small for any export."""
+    with mounted_tmpfs(tmp_path / "exports", "1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 def test_a_failed_export_leaves_nothing_behind(

@@ -14,49 +14,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
 
 from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
-from nedolm.train.testing import LaunchedJob, init_tiny_base
+from nedolm.train.testing import LaunchedJob, init_tiny_base, write_stop_test_config
 
 pytestmark = pytest.mark.slow
 SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
-MAX_STEPS = 8
+MAX_STEPS = 8  # write_stop_test_config's max_steps
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("base") / "base"
     return init_tiny_base(out, corpus, {**SMALL, "max_seq_len": 256}, seed=1)
-
-
-def write_config(path: Path, corpus: Path, base: Path, **train: object) -> Path:
-    """An SFT YAML whose run dir is ``path`` without its suffix; a stop is honoured each step."""
-    doc = {
-        "run_dir": str(path.with_suffix("")),
-        "base_config": str(base / "config.yaml"),
-        "base_run_dir": str(base),
-        "data_dir": str(corpus),
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {
-            "seq_len": 256,
-            "micro_batch_size": 1,
-            "grad_accum_steps": 1,
-            "max_steps": MAX_STEPS,
-            "num_workers": 0,
-            "compile": False,
-            "compile_backend": "aot_eager",
-            "log_interval": 1,
-            "control_interval": 1,
-            "ckpt_interval": 1000,
-            **train,
-        },
-        "validation": {"enabled": False},
-    }
-    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
-    return path
 
 
 def run(config: Path, *options: str, env: dict[str, str] | None = None) -> LaunchedJob:
@@ -107,7 +79,7 @@ def assert_stopped_before_step_1(run_dir: Path) -> None:
 def test_a_signal_during_the_imports_exits_0_before_step_1_with_nothing_saved(
     corpus: Path, base: Path, tmp_path: Path, signum: int
 ) -> None:
-    config = write_config(tmp_path / "early.yaml", corpus, base)
+    config = write_stop_test_config(tmp_path / "early.yaml", corpus, base)
     job = run(config)
     time.sleep(0.2)  # torch is still being imported: before the fix this killed the process
     os.kill(job.proc.pid, signum)
@@ -122,7 +94,7 @@ def test_a_signal_during_the_imports_exits_0_before_step_1_with_nothing_saved(
 def test_a_sigterm_during_the_compile_warm_up_stops_without_training_a_step(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    config = write_config(tmp_path / "warmup.yaml", corpus, base, compile=True)
+    config = write_stop_test_config(tmp_path / "warmup.yaml", corpus, base, compile=True)
     # The delay sits inside the warm-up, before torch.compile runs: room to signal there.
     job = run(config, env={"NEDOLM_TEST_DELAY": "compile_warmup=3"})
     wait_for_log(job, "compile warm-up started")
@@ -139,7 +111,7 @@ def test_a_sigterm_during_the_compile_warm_up_stops_without_training_a_step(
 def test_first_ctrl_c_stops_on_a_checkpoint_and_a_second_aborts_naming_the_one_left(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    config = write_config(tmp_path / "ctrl-c.yaml", corpus, base)
+    config = write_stop_test_config(tmp_path / "ctrl-c.yaml", corpus, base)
     job = run(config, "--no-compile", env={"NEDOLM_TEST_DELAY": "data_fetch=0.3"})
     job.wait_for_step(2)
     os.kill(job.proc.pid, signal.SIGINT)
@@ -171,14 +143,14 @@ def test_first_ctrl_c_stops_on_a_checkpoint_and_a_second_aborts_naming_the_one_l
 def test_a_sigterm_to_the_launcher_before_any_rank_trained_exits_0(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    job = launch(write_config(tmp_path / "early.yaml", corpus, base))
+    job = launch(write_stop_test_config(tmp_path / "early.yaml", corpus, base))
     time.sleep(0.2)  # the launcher is still importing torch; no rank exists yet
     os.kill(job.proc.pid, signal.SIGTERM)
     assert job.wait() == 0, job.output()[-3000:]
     assert "launch: SIGTERM: stopped before any rank started; nothing to save" in job.output()
     assert not (job.run_dir / "train.log").exists()
 
-    warmup = write_config(tmp_path / "warmup.yaml", corpus, base, compile=True)
+    warmup = write_stop_test_config(tmp_path / "warmup.yaml", corpus, base, compile=True)
     job = launch(warmup, env={"NEDOLM_TEST_DELAY": "compile_warmup=3"})
     wait_for_log(job, "compile warm-up started")
     os.kill(job.proc.pid, signal.SIGTERM)  # the ranks are up, in the warm-up
@@ -195,7 +167,7 @@ def test_ctrl_c_in_the_launchers_terminal_stops_every_rank_and_a_second_aborts(
 ) -> None:
     """A terminal's Ctrl-C reaches the launcher's process group (torch starts the ranks in
     sessions of their own, so they hear of it from the launcher)."""
-    config = write_config(tmp_path / "ctrl-c.yaml", corpus, base)
+    config = write_stop_test_config(tmp_path / "ctrl-c.yaml", corpus, base)
     job = launch(config, env={"NEDOLM_TEST_DELAY": "data_fetch=0.3"})
     job.wait_for_step(2)
     os.killpg(job.proc.pid, signal.SIGINT)
@@ -220,7 +192,7 @@ def test_ctrl_c_in_the_launchers_terminal_stops_every_rank_and_a_second_aborts(
 def test_a_sigterm_to_a_smoke_launch_is_judged_by_its_scratch_run_dir(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
-    config = write_config(tmp_path / "smoke.yaml", corpus, base)
+    config = write_stop_test_config(tmp_path / "smoke.yaml", corpus, base)
     job = launch(config, {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}, "--smoke-steps", "6")
     scratch = job.run_dir.with_name(job.run_dir.name + ".smoke")  # where --smoke-steps trains
     wait_for(job, lambda: len(trained_steps(scratch)) >= 2)

@@ -97,8 +97,7 @@ def test_init_base_then_run_a_smoke_fine_tune(
 def test_print_config_resolves_overrides_and_leaves_the_run_dir_untouched(
     nedolm_sft: RunCli, tmp_path: Path
 ) -> None:
-    config = tmp_path / "sft.yaml"
-    config.write_text("run_dir: run\nbase_hf_dir: hf\ndata_dir: corpus\n", encoding="utf-8")
+    config = minimal_config(tmp_path)
     args = ("--set", "optim.lr=1e-4", "--set", "validation.shard_ids=[3]", "--print-config")
     for command in (("run", str(config)), ("launch", "--nproc-per-node", "2", str(config))):
         result = nedolm_sft(*command, *args, env=QUIET_ENV)
@@ -121,12 +120,18 @@ def test_print_config_resolves_overrides_and_leaves_the_run_dir_untouched(
 def test_an_unknown_override_is_refused_before_anything_starts(
     nedolm_sft: RunCli, tmp_path: Path, command: str
 ) -> None:
-    config = tmp_path / "sft.yaml"
-    config.write_text("run_dir: run\nbase_hf_dir: hf\ndata_dir: corpus\n", encoding="utf-8")
+    config = minimal_config(tmp_path)
     result = nedolm_sft(command, str(config), "--set", "train.max_stesp=3", env=QUIET_ENV)
     assert result.returncode == 2
     assert "unknown key `max_stesp` in `train`; did you mean `max_steps`?" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def minimal_config(directory: Path) -> Path:
+    """An SFT YAML of the three required keys, naming a corpus and a model that do not exist."""
+    config = directory / "sft.yaml"
+    config.write_text("run_dir: run\nbase_hf_dir: hf\ndata_dir: corpus\n", encoding="utf-8")
+    return config
 
 
 SIZED_TINY = ["--preset", "tiny", "--out", "b", "--vocab-size", "100", "--eos-id", "2"]
@@ -152,8 +157,7 @@ def test_init_base_usage_errors_name_the_problem(args: list[str], needle: str) -
 def test_a_missing_corpus_is_named_and_leaves_no_run_dir(
     nedolm_sft: RunCli, tmp_path: Path, command: str
 ) -> None:
-    config = tmp_path / "sft.yaml"
-    config.write_text("run_dir: run\nbase_hf_dir: hf\ndata_dir: corpus\n", encoding="utf-8")
+    config = minimal_config(tmp_path)
     result = nedolm_sft(command, str(config), env=QUIET_ENV)
     assert result.returncode == 2
     assert f"data_dir {tmp_path / 'corpus'} does not exist" in result.stderr

@@ -15,24 +15,15 @@ import pytest
 
 from nedolm.data.atomic import is_temporary
 from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
+from nedolm.train.testing import mounted_tmpfs
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mount_point = tmp_path / "run" / "checkpoints"
-    mount_point.mkdir(parents=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    assert mounted.returncode == 0, f"cannot mount a tmpfs (root needed): {mounted.stderr}"
-    try:
+    with mounted_tmpfs(tmp_path / "run" / "checkpoints", "4m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 def _resize(mount_point: Path, size_bytes: int) -> None:

@@ -32,10 +32,10 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from nedolm.train.config import ConfigError, check_run_paths, dump_config, load_sft_config
 from nedolm.train.signals import claim
 from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, left_behind, verify_stop
 from nedolm.train.trainer import smoke_run_dir
+from nedolm_sft.commands.train import config_to_run
 
 # torchrun's default signals plus SIGUSR1, SLURM's usual pre-emption warning; the workers
 # treat SIGTERM and SIGUSR1 as a stop request. ``--signals-to-handle`` still overrides this.
@@ -73,17 +73,10 @@ def launch(argv: tuple[str, ...]) -> None:
             "launch always starts `nedolm-sft run CONFIG`: drop -m/--no-python/--run-path"
         )
     config = Path(args.training_script)
-    try:
-        cfg = load_sft_config(config, _overrides(args.training_script_args))
-    except (ConfigError, OSError) as exc:
-        raise click.UsageError(str(exc)) from exc
-    if "--print-config" in args.training_script_args:
-        click.echo(dump_config(cfg), nl=False)
+    print_config = "--print-config" in args.training_script_args
+    cfg = config_to_run(config, _overrides(args.training_script_args), print_config=print_config)
+    if cfg is None:
         return
-    try:
-        check_run_paths(cfg)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
     smoke = any(a.split("=")[0] == "--smoke-steps" for a in args.training_script_args)
     run_dir = smoke_run_dir(cfg.run_dir) if smoke else cfg.run_dir  # where the ranks write
     launch_id = uuid.uuid4().hex

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -11,7 +12,13 @@ from nedolm.data.format import read_special_tokens
 from nedolm.data.tokenizer import TokenizerError, load_tokenizer
 from nedolm.model import HFImportError, morph_classes_from_vocab, preset_names
 from nedolm.train.base import import_hf_base, init_base
-from nedolm.train.config import ConfigError, check_run_paths, dump_config, load_sft_config
+from nedolm.train.config import (
+    ConfigError,
+    SFTConfig,
+    check_run_paths,
+    dump_config,
+    load_sft_config,
+)
 from nedolm.train.trainer import run as run_training
 
 
@@ -66,18 +73,25 @@ def run(
     """
     if trust_unverified:
         overrides = (*overrides, "train.trust_unverified=true")
+    cfg = config_to_run(config, overrides, print_config=print_config)
+    if cfg is not None:
+        run_training(cfg, smoke_steps=smoke_steps, compile=not no_compile)
+
+
+def config_to_run(
+    config: Path, overrides: Sequence[str], *, print_config: bool
+) -> SFTConfig | None:
+    """The config with ``--set`` applied and its paths checked, or None once ``--print-config``
+    has printed it (nothing touched); a problem is a usage error (exit 2). For run and launch."""
     try:
         cfg = load_sft_config(config, overrides)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
-    if print_config:
-        click.echo(dump_config(cfg), nl=False)
-        return
-    try:
+        if print_config:
+            click.echo(dump_config(cfg), nl=False)
+            return None
         check_run_paths(cfg)
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:
         raise click.UsageError(str(exc)) from exc
-    run_training(cfg, smoke_steps=smoke_steps, compile=not no_compile)
+    return cfg
 
 
 def _parse_override(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict:

@@ -14,8 +14,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import yaml
 
 from nedolm.data.format import read_special_tokens
 from nedolm.train.base import init_base
@@ -104,3 +106,49 @@ class LaunchedJob:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def write_stop_test_config(path: Path, corpus: Path, base: Path, **train: object) -> Path:
+    """A small SFT YAML for signal tests, its run dir ``path`` without its suffix: 8 eager steps
+    of one 256-token window, a stop honoured at every step, no validation; ``train`` overrides."""
+    doc = {
+        "run_dir": str(path.with_suffix("")),
+        "base_config": str(base / "config.yaml"),
+        "base_run_dir": str(base),
+        "data_dir": str(corpus),
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "train": {
+            "seq_len": 256,
+            "micro_batch_size": 1,
+            "grad_accum_steps": 1,
+            "max_steps": 8,
+            "num_workers": 0,
+            "compile": False,
+            "compile_backend": "aot_eager",
+            "log_interval": 1,
+            "control_interval": 1,
+            "ckpt_interval": 1000,
+            **train,
+        },
+        "validation": {"enabled": False},
+    }
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (e.g. "4m") mounted on ``mount_point`` for the block: a disk that
+    fills up. Needs root (the tests run as root); without it, fails saying so."""
+    mount_point.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        raise JobFailed(f"cannot mount a tmpfs (root needed): {mounted.stderr}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
