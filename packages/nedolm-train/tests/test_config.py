@@ -126,6 +126,12 @@ def test_overrides_are_typed_by_the_schema(tmp_path: Path) -> None:
     assert cfg.validation.shard_ids == [3, 4]
 
 
+def test_an_override_fills_an_empty_section_of_the_file(tmp_path: Path) -> None:
+    text = MINIMAL.replace("train: {}", "train:")  # YAML null
+    cfg = load_sft_config(_write(tmp_path, text), overrides=["train.max_steps=9"])
+    assert cfg.train.max_steps == 9
+
+
 def test_an_override_wins_over_the_file_and_keeps_its_siblings(tmp_path: Path) -> None:
     text = MINIMAL.replace("train: {}", "train: {max_steps: 5, seq_len: 64}")
     cfg = load_sft_config(_write(tmp_path, text), overrides=["train.max_steps=9"])

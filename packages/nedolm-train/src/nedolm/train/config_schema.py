@@ -75,8 +75,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], root: type) -
             if depth == len(path) - 1:
                 node[part] = yaml.safe_load(text)
             else:
-                child = node.get(part)
-                node = node.setdefault(part, {}) if child is None else child
+                if node.get(part) is None:  # absent, or an empty `train:` in the file
+                    node[part] = {}
+                node = node[part]
                 if not isinstance(node, dict):
                     raise OverrideError(f"--set {dotted}: `{part}` in the file is not a section")
     return result
