@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.data.format import read_special_tokens
@@ -26,6 +26,7 @@ from nedolm.model import generate
 from nedolm.train.base import import_hf_base
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
 from nedolm.train.hf_base import hf_base_config, load_hf_base
+from nedolm.train.testing import save_tiny_hf_llama
 from nedolm_sft.chat_model import load_chat_model
 
 DEFAULT = files("nedolm_sft") / "default"
@@ -50,27 +51,14 @@ def nedolm_sft(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    out.mkdir()
-    (out / "tokenizer.json").write_bytes(
-        gzip.decompress(Path(str(DEFAULT / "tokenizer.json.gz")).read_bytes())
-    )
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    config = LlamaConfig(
-        vocab_size=load_tokenizer(out).base_vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+    tokenizer = gzip.decompress(Path(str(DEFAULT / "tokenizer.json.gz")).read_bytes())
+    return save_tiny_hf_llama(
+        tmp_path_factory.mktemp("hf") / "tiny-llama",
+        tokenizer,
         num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
         rope_theta=500000.0,
         rope_scaling=copy.deepcopy(LLAMA3),
     )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
 
 
 def prepare(hf_dir_or_tokenizer: Path, out: Path, records: int = 160) -> Path:

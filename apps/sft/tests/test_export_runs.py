@@ -18,14 +18,13 @@ import yaml
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
     LlamaForCausalLM,
     pipeline,
 )
 
 from nedolm.data.builder import BuildOptions, build_corpus
-from nedolm.data.tokenizer import load_tokenizer
 from nedolm.model import generate
+from nedolm.train.testing import save_tiny_hf_llama
 from nedolm_sft.chat_model import load_chat_model
 
 FIXTURES = Path(__file__).resolve().parents[3] / "packages" / "nedolm-data" / "tests" / "fixtures"
@@ -228,25 +227,10 @@ def test_init_base_run_exports_and_generates(morph_base, corpus, tmp_path) -> No
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama saved by transformers beside a real tokenizer, as on the hub."""
-    out = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    out.mkdir()
-    (out / "tokenizer.json").write_bytes(
-        gzip.decompress((FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz").read_bytes())
+    tokenizer = gzip.decompress(
+        (FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz").read_bytes()
     )
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    config = LlamaConfig(
-        vocab_size=load_tokenizer(out).base_vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    return save_tiny_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", tokenizer)
 
 
 @pytest.mark.parametrize("morph_expert_dim", [0, 16])

@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from nedolm.train.signals import claim
 from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, left_behind, verify_stop
 from nedolm.train.trainer import smoke_run_dir
-from nedolm_sft.commands.train import config_to_run
+from nedolm_sft.commands.train import config_to_run, run
 
 # torchrun's default signals plus SIGUSR1, SLURM's usual pre-emption warning; the workers
 # treat SIGTERM and SIGUSR1 as a stop request. ``--signals-to-handle`` still overrides this.
@@ -73,11 +73,18 @@ def launch(argv: tuple[str, ...]) -> None:
             "launch always starts `nedolm-sft run CONFIG`: drop -m/--no-python/--run-path"
         )
     config = Path(args.training_script)
-    print_config = "--print-config" in args.training_script_args
-    cfg = config_to_run(config, _overrides(args.training_script_args), print_config=print_config)
+    # The run options as every rank's `nedolm-sft run` will read them: a bad one fails here.
+    with run.make_context("nedolm-sft run", [str(config), *args.training_script_args]) as ctx:
+        options = ctx.params
+    cfg = config_to_run(
+        config,
+        options["overrides"],
+        trust_unverified=options["trust_unverified"],
+        print_config=options["print_config"],
+    )
     if cfg is None:
         return
-    smoke = any(a.split("=")[0] == "--smoke-steps" for a in args.training_script_args)
+    smoke = options["smoke_steps"] is not None
     run_dir = smoke_run_dir(cfg.run_dir) if smoke else cfg.run_dir  # where the ranks write
     launch_id = uuid.uuid4().hex
     os.environ[LAUNCH_ID_ENV] = launch_id  # inherited by this node's workers
@@ -164,14 +171,3 @@ def _stopped_before_start(reason: str) -> None:
         "re-run the same command to start",
         err=True,
     )
-
-
-def _overrides(run_args: list[str]) -> list[str]:
-    """The ``--set KEY=VALUE`` items among the run options, to check the config as run will."""
-    items = []
-    for i, arg in enumerate(run_args):
-        if arg == "--set" and i + 1 < len(run_args):
-            items.append(run_args[i + 1])
-        elif arg.startswith("--set="):
-            items.append(arg.removeprefix("--set="))
-    return items

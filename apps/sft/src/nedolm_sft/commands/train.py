@@ -71,18 +71,21 @@ def run(
       nedolm-sft run examples/sft.yaml --set optim.lr=1e-4 --print-config
       nedolm-sft launch --standalone --nproc-per-node 8 examples/sft.yaml
     """
-    if trust_unverified:
-        overrides = (*overrides, "train.trust_unverified=true")
-    cfg = config_to_run(config, overrides, print_config=print_config)
+    cfg = config_to_run(
+        config, overrides, trust_unverified=trust_unverified, print_config=print_config
+    )
     if cfg is not None:
         run_training(cfg, smoke_steps=smoke_steps, compile=not no_compile)
 
 
 def config_to_run(
-    config: Path, overrides: Sequence[str], *, print_config: bool
+    config: Path, overrides: Sequence[str], *, trust_unverified: bool, print_config: bool
 ) -> SFTConfig | None:
-    """The config with ``--set`` applied and its paths checked, or None once ``--print-config``
-    has printed it (nothing touched); a problem is a usage error (exit 2). For run and launch."""
+    """The config with ``--set`` (and ``--trust-unverified``) applied and its paths checked, or
+    None once ``--print-config`` has printed it (nothing touched); a problem is a usage error
+    (exit 2). For run and launch."""
+    if trust_unverified:
+        overrides = (*overrides, "train.trust_unverified=true")
     try:
         cfg = load_sft_config(config, overrides)
         if print_config:

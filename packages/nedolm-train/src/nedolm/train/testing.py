@@ -10,6 +10,7 @@ the same way; nothing here is used by training itself.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,9 +18,11 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import torch
 import yaml
 
 from nedolm.data.format import read_special_tokens
+from nedolm.data.tokenizer import load_tokenizer
 from nedolm.train.base import init_base
 from nedolm.train.metrics import read_metrics
 
@@ -152,3 +155,27 @@ def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def save_tiny_hf_llama(out: Path, tokenizer_json: bytes, **config: object) -> Path:
+    """A tiny random Llama saved by transformers beside ``tokenizer_json`` in ``out``, as a
+    model directory on the hub looks (untied, 2 layers of width 64); ``config`` overrides
+    ``LlamaConfig`` fields. Needs transformers (a test dependency)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True)
+    (out / "tokenizer.json").write_bytes(tokenizer_json)
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    fields: dict[str, object] = {
+        "vocab_size": load_tokenizer(out).base_vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**fields, **config})).save_pretrained(out)
+    return out
