@@ -23,7 +23,8 @@ from nedolm.train.trainer import run as run_training
 
 
 @click.command("run")
-@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+# No exists=True: the config loader names a missing or unreadable file, for run and launch alike.
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--smoke-steps",
     type=click.IntRange(min=1),
