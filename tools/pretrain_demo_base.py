@@ -12,10 +12,12 @@ documents (by content hash) is held out; its loss is reported, overall and per p
 text is written beside the weights so the figure can be re-checked.
 
 Everything is seeded (document order, initialisation, the held-out slice) and the run is a
-fixed number of steps, so the same command on the same torch build gives the same weights.
-The model is the project's own MorphTransformer (dense: a plain Llama model, tied embeddings)
-trained with its own loss, AdamW groups and learning-rate schedule. Vocabulary and special ids
-are those ``nedolm.data`` assigns for the shipped tokenizer, so the result loads as a base run.
+fixed number of steps, so the same command on the same torch build (and, with
+``--precision bfloat16``, the same kind of CPU) gives the same weights.
+The model is the project's own MorphTransformer (dense: a plain Llama model; tied embeddings
+unless ``--tie-embeddings false``) trained with its own loss, AdamW groups and learning-rate
+schedule. Vocabulary and special ids are those ``nedolm.data`` assigns for the shipped
+tokenizer, so the result loads as a base run.
 
 Output (written to a temporary directory, then renamed into place)::
 
@@ -70,6 +72,7 @@ HELDOUT_PROMPTS_FILE = "heldout_prompts.jsonl"
 MIN_BANNED_CHARS = 20
 PART_NAMES = {"all": "all", "chat": "chat conversations", "extra": "extra text"}
 MAX_WEIGHTS_BYTES = 25 * 1024 * 1024
+PRECISION_NAMES = {"float32": "float32", "bfloat16": "bf16 autocast over float32 weights"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,7 @@ class Recipe:
     n_heads: int = 4
     n_kv_heads: int = 2
     ffn_dim: int = 384
+    tie_embeddings: bool = True  # False: an output head of its own (twice the embedding bytes)
     seq_len: int = 256  # tokens per training row (documents are packed, attention isolated)
     batch_rows: int = 8
     steps: int = 300  # the learning-rate schedule spans this many steps
@@ -90,6 +94,7 @@ class Recipe:
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.1
     seed: int = 20261203
+    precision: str = "float32"  # or "bfloat16": bf16 autocast (AMX/AVX-512 matmuls), fp32 weights
     eval_interval: int = 50
     heldout_every: int = 40  # a document is held out when its content hash is 0 modulo this
 
@@ -255,6 +260,7 @@ def dense_model_config(recipe: Recipe, vocab_size: int) -> ModelConfig:
         n_heads=recipe.n_heads,
         n_kv_heads=recipe.n_kv_heads,
         ffn_dim=recipe.ffn_dim,
+        tie_embeddings=recipe.tie_embeddings,
         max_seq_len=1024,
     )
 
@@ -343,13 +349,15 @@ def recipe_markdown(
         "# The demo base model: how it was made",
         "",
         "Pretrained from scratch by `tools/pretrain_demo_base.py` (see its docstring and the user",
-        "guide). Re-running the command below on the same torch build reproduces the weights.",
+        "guide). Re-running the command below on the same torch build and CPU kind reproduces the",
+        "weights (bf16 matmuls take other kernels on other CPUs: AMX, AVX-512, AVX2).",
         "",
         "```",
         "python " + " ".join(argv),
         "```",
         "",
-        f"- Model: dense MorphTransformer (Llama-equivalent, tied embeddings), {stats['params']:,} "
+        f"- Model: dense MorphTransformer (Llama-equivalent, "
+        f"{'tied embeddings' if cfg.tie_embeddings else 'own output head'}), {stats['params']:,} "
         f"parameters: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads "
         f"({cfg.n_kv_heads} KV), SwiGLU {cfg.ffn_dim}, vocabulary {cfg.vocab_size} padded to "
         f"{cfg.padded_vocab_size}.",
@@ -374,7 +382,8 @@ def recipe_markdown(
         f"tokens (documents attention-isolated), AdamW (betas 0.9/0.95, weight decay "
         f"{recipe.weight_decay}, no decay on norms/embeddings), lr {recipe.lr} with "
         f"{recipe.warmup_steps} warm-up steps and cosine decay to {recipe.min_lr_ratio} x, "
-        f"grad clip 1.0, seed {recipe.seed}, float32, 1 torch thread; "
+        f"grad clip 1.0, seed {recipe.seed}, {PRECISION_NAMES[recipe.precision]}, "
+        f"{stats['threads']} torch thread{'s' if stats['threads'] != 1 else ''}; "
         f"{(recipe.stop_step or recipe.steps) * recipe.batch_rows * recipe.seq_len:,} token "
         "positions seen.",
         f"- Stored: `{WEIGHTS_FILE}` in {stats['weights_dtype']} ({stats['weights_bytes']:,} "
@@ -420,6 +429,8 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     recipe = Recipe(
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)},
     )
+    if recipe.precision not in ("float32", "bfloat16"):
+        raise SystemExit(f"--precision {recipe.precision}: expected float32 or bfloat16")
     tokenizer_path = args.default_dir / "tokenizer.json.gz"
     specials = build_special_tokens(load_tokenizer(tokenizer_path), tokenizer_path.name)
     sample = args.default_dir / "tr_chat_sample.jsonl"
@@ -439,6 +450,7 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     def report(entry: dict[str, object]) -> None:
         print(json.dumps(entry), flush=True)
 
+    autocast = recipe.precision == "bfloat16"  # held-out scores are always float32
     cfg = dense_model_config(recipe, specials.vocab_size)
     torch.manual_seed(recipe.seed)
     model = build_model(cfg)
@@ -456,7 +468,8 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     last = recipe.stop_step or recipe.steps
     for step in range(last):
         set_lr(optimizer, lr_at_step(step, optim_cfg, recipe.steps))
-        loss, _ = lm_loss(model, next(batches), eos_id, "mean")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, _ = lm_loss(model, next(batches), eos_id, "mean")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
         optimizer.step()
@@ -515,6 +528,7 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
         "weights_dtype": str(dtype).removeprefix("torch."),
         "weights_bytes": sum(v.numel() * v.element_size() for v in stored.values()),
         "machine": machine(),
+        "threads": args.threads,
         "wall_minutes": (time.monotonic() - began) / 60,
         "final_heldout_loss": final,
     }
@@ -544,6 +558,13 @@ def without_option(argv: Sequence[str], flag: str) -> list[str]:
     return kept
 
 
+def parse_bool(text: str) -> bool:
+    """``true``/``false`` (any case) as a bool: ``bool("false")`` would be True."""
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--data-dir", type=Path, required=True, help="the tr_chat/*.jsonl folder")
@@ -568,7 +589,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     for field in dataclasses.fields(Recipe):
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, dest=field.name, type=type(field.default), default=field.default)
+        kind = parse_bool if isinstance(field.default, bool) else type(field.default)
+        parser.add_argument(flag, dest=field.name, type=kind, default=field.default)
     return parser.parse_args(argv)
 
 
