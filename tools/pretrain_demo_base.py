@@ -429,8 +429,10 @@ def pretrain(args: argparse.Namespace, argv: Sequence[str]) -> float:
     recipe = Recipe(
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)},
     )
-    if recipe.precision not in ("float32", "bfloat16"):
-        raise SystemExit(f"--precision {recipe.precision}: expected float32 or bfloat16")
+    if recipe.precision not in PRECISION_NAMES:
+        raise SystemExit(
+            f"--precision {recipe.precision}: expected one of {sorted(PRECISION_NAMES)}"
+        )
     tokenizer_path = args.default_dir / "tokenizer.json.gz"
     specials = build_special_tokens(load_tokenizer(tokenizer_path), tokenizer_path.name)
     sample = args.default_dir / "tr_chat_sample.jsonl"
