@@ -102,9 +102,15 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def assert_relative_close(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> None:
-    """Relative error of the whole tensor (elementwise is ill-posed near zero): <= 1e-6."""
+    """Relative error of the whole tensor (elementwise is ill-posed near zero): <= 1e-5.
+
+    FSDP (reduce-scatter) and DDP (bucketed all-reduce) reduce and divide gradients by
+    different routes, so fp32 results differ by ulps that AdamW's normalised updates carry into
+    the weights: a CI machine measured 1.3e-6 after 10 steps. A missed or misplaced shard
+    changes whole rows, far above this bound.
+    """
     error = (ours.double() - theirs.double()).norm() / theirs.double().norm().clamp_min(1e-30)
-    assert error <= 1e-6, f"{name}: relative error {error:.3g}"
+    assert error <= 1e-5, f"{name}: relative error {error:.3g}"
 
 
 @pytest.fixture(scope="module")
