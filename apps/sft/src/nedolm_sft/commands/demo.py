@@ -61,7 +61,7 @@ def sft_settings(steps: int, validation_windows: int) -> dict:
         "base_run_dir": BASE,
         "data_dir": "data",
         "optim": {
-            "lr": 5.0e-3,
+            "lr": 2.0e-3,
             "min_lr_ratio": 0.1,
             "weight_decay": 0.01,
             "schedule": "cosine",
