@@ -96,6 +96,7 @@ def _rank(rank: int, mode: str, port: int, args: argparse.Namespace, out: Path) 
         "params": sum(p.numel() for p in model.parameters()),
     }
     (out / f"{mode}-{info.rank}.json").write_text(json.dumps(row), encoding="utf-8")
+    del model, optimizer  # the wrapped model must be freed before its process group
     cleanup()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nedolm.dist import cleanup, setup_distributed, sum_all
+from nedolm.dist import DistInfo, cleanup, setup_distributed, sum_all
 from nedolm.model import IGNORE_INDEX, build_model, packed_layout, preset
 from nedolm.train.config import OptimConfig
 from nedolm.train.optim import build_optimizer, lr_at_step, set_lr
@@ -105,8 +105,13 @@ def main() -> None:
     parser.add_argument("--load-full", type=Path, help="full-STEP.pt of another run")
     parser.add_argument("--hold-at", type=int, help="before this step: signal, then sleep")
     args = parser.parse_args()
-
     info = setup_distributed(backend="gloo")
+    run(args, info)  # returns without a reference to the wrapped model, which cleanup needs
+    cleanup()
+
+
+def run(args: argparse.Namespace, info: DistInfo) -> None:
+    """Train, save and hold as the options say; writes the outputs on rank 0."""
     torch.manual_seed(args.init_seed)  # the same initial weights on every rank
     model = parallelize(build_model(MODEL), args.mode, device=info.device)
     optimizer = build_optimizer(model, OPTIM)
@@ -134,7 +139,6 @@ def main() -> None:
     if info.is_main:
         torch.save(final, args.out_dir / "final.pt")
         (args.out_dir / "losses.json").write_text(json.dumps(losses), encoding="utf-8")
-    cleanup()
 
 
 if __name__ == "__main__":

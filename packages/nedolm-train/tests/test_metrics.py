@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -84,7 +85,9 @@ def test_wandb_sink_logs_offline_into_one_run_per_run_dir(tmp_path: Path, monkey
         writer.close()
     run_id = (tmp_path / "wandb_run_id").read_text(encoding="utf-8").strip()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    # offline-run-TIMESTAMP-ID, with "-N" appended when both jobs start within one second
+    same_run = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(runs) == 2 and all(same_run.fullmatch(r.name) for r in runs), runs
     assert all((r / f"run-{run_id}.wandb").stat().st_size > 0 for r in runs)
 
 

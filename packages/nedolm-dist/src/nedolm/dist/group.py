@@ -7,6 +7,7 @@ initialised, so library code never branches on "am I distributed?".
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -121,8 +122,14 @@ def setup_distributed(
 
 
 def cleanup() -> None:
-    """Destroy the process group if there is one; safe to call twice and without a group."""
+    """Destroy the process group if there is one; safe to call twice and without a group.
+
+    Garbage is collected first: a DDP reducer or FSDP module freed after its gloo group can
+    hang the exit or abort it ("terminate called without an active exception"), so callers
+    drop their references to wrapped models before calling this.
+    """
     if is_distributed():
+        gc.collect()
         dist.destroy_process_group()
 
 

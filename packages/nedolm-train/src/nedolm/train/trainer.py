@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import shutil
 import traceback
@@ -74,10 +73,7 @@ def run(
         raise_if_peers_lost(exc)
         raise
     finally:
-        # The DDP reducer (and loader iterators) must die before their process group: a
-        # reducer destroyed after destroy_process_group can hang the exit under gloo.
-        gc.collect()
-        cleanup()
+        cleanup()  # collects the DDP reducer and loader iterators before the group goes
 
 
 def _train(
