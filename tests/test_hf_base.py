@@ -30,6 +30,7 @@ from nedolm.train.testing import save_tiny_hf_llama
 from nedolm_sft.chat_model import load_chat_model
 
 DEFAULT = files("nedolm_sft") / "default"
+FIXTURES = Path(__file__).parents[1] / "packages" / "nedolm-data" / "tests" / "fixtures"
 SEQ_LEN = 128  # the seq_len of conftest's sft_config
 PROMPT = "Türkiye'nin başkenti neresidir?"
 LLAMA3 = {
@@ -40,7 +41,7 @@ LLAMA3 = {
     "original_max_position_embeddings": 64,
 }
 pytestmark = pytest.mark.slow  # real SFT runs and corpus builds in subprocesses
-OTHER_TOKENIZER = Path("/work/shared/data/tokenizer/mistral_v1/tokenizer.json")
+OTHER_TOKENIZER = FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz"
 
 
 def nedolm_sft(*args: str) -> subprocess.CompletedProcess[str]:
@@ -181,7 +182,7 @@ def test_corpus_of_another_tokenizer_is_refused_at_run_start(hf_dir, tmp_path, s
     result = nedolm_sft("run", str(config))
     assert result.returncode != 0
     line = next(x for x in result.stderr.splitlines() if "does not match" in x)
-    assert f"corpus tokenizer {other / 'tokenizer' / 'tokenizer.json'}" in line
+    assert f"corpus tokenizer {other / 'tokenizer' / OTHER_TOKENIZER.name}" in line
     assert f"base model's tokenizer {hf_dir / 'tokenizer.json'}" in line
     assert "vocabulary size 32000 != " in line or "EOS id" in line or "token " in line
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -283,9 +283,6 @@ def test_prepare_and_stats_report_coverage_and_duplicates(tmp_path):
     assert f"exact duplicate conversations: {dups} (" in stats.output
 
 
-SHARED_DATA = Path("/work/shared/data")  # the project's real data (SOURCES.md there)
-
-
 def _tokens_and_segments(data_dir: Path) -> dict[str, bytes]:
     shards = sorted((data_dir / "shards").glob("*.bin"))
     return {p.name: p.read_bytes() for p in shards if not p.name.endswith(".index.bin")}
@@ -295,11 +292,11 @@ def test_prepare_reads_the_upstream_json_array_as_its_jsonl_twin(tmp_path):
     """LLaMA-Factory's glaive_toolcall_en_demo.json (one ShareGPT JSON array, 300 records) and
     the curated OpenAI JSON lines converted from it: the same tokens and targets (the index
     files differ only in record keys, which name the file and the curator's ids)."""
-    tool_chat = SHARED_DATA / "tool_chat"
+    upstream = FIXTURES / "tool_chat" / "upstream"  # whole files, gzipped (fixtures README)
     built = {}
     for source in (
-        tool_chat / "original" / "glaive_toolcall_en_demo.json",
-        tool_chat / "glaive_toolcall_en_demo.jsonl",
+        upstream / "glaive_toolcall_en_demo.json.gz",
+        upstream / "glaive_toolcall_en_demo.jsonl.gz",
     ):
         out = tmp_path / source.name
         result = _run(
@@ -316,7 +313,7 @@ def test_prepare_reads_the_upstream_json_array_as_its_jsonl_twin(tmp_path):
         assert result.exit_code == 0, result.output
         # one record holds an assistant message longer than 4096 tokens: the same drop in both
         assert "records 300 = kept 299 + dropped 1 (hard_continuation 1)" in result.output
-        built[source.suffix] = _tokens_and_segments(out)
+        built[source.suffixes[0]] = _tokens_and_segments(out)
     assert len(built[".json"]) == 2 * 20
     assert built[".json"] == built[".jsonl"]
 
