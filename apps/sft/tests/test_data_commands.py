@@ -125,6 +125,7 @@ def test_real_process_exits_non_zero_without_traceback(tmp_path):
 
 
 TOOL_CHAT = FIXTURES / "tool_chat" / "glaive_toolcall_en_demo.jsonl"
+UPSTREAM_GLAIVE = FIXTURES / "tool_chat" / "upstream"  # whole files, gzipped (fixtures README)
 
 
 def _mixed(tmp_path: Path) -> Path:
@@ -193,7 +194,7 @@ def test_length_drops_name_the_longest_message(tmp_path):
     than a window, the Turkish fixtures one with a long context message: each hint names
     --seq-len and the longest such message, which the examples list."""
     report_file = tmp_path / "report.json"
-    glaive = SHARED_DATA / "tool_chat" / "original" / "glaive_toolcall_en_demo.json"
+    glaive = UPSTREAM_GLAIVE / "glaive_toolcall_en_demo.json.gz"
     args = ["--tokenizer", TOKENIZER, "--seq-len", 1024, "--no-progress", "--report", report_file]
     result = _run("prepare", glaive, *INPUTS, "--out", tmp_path / "o", *args)
     assert result.exit_code == 0, result.output
@@ -210,7 +211,7 @@ def test_length_drops_name_the_longest_message(tmp_path):
         )
         lengths = [int(m.split(" of ")[1].split()[0]) for m in report["drop_examples"][reason]]
         assert max(lengths) == longest[reason] > 1025
-    assert "glaive_toolcall_en_demo.json: record 243: a message (assistant) of" in result.output
+    assert "glaive_toolcall_en_demo.json.gz: record 243: a message (assistant) of" in result.output
 
 
 def test_prepare_warns_of_duplicates_once_and_names_dedup(tmp_path):
@@ -292,11 +293,10 @@ def test_prepare_reads_the_upstream_json_array_as_its_jsonl_twin(tmp_path):
     """LLaMA-Factory's glaive_toolcall_en_demo.json (one ShareGPT JSON array, 300 records) and
     the curated OpenAI JSON lines converted from it: the same tokens and targets (the index
     files differ only in record keys, which name the file and the curator's ids)."""
-    upstream = FIXTURES / "tool_chat" / "upstream"  # whole files, gzipped (fixtures README)
     built = {}
     for source in (
-        upstream / "glaive_toolcall_en_demo.json.gz",
-        upstream / "glaive_toolcall_en_demo.jsonl.gz",
+        UPSTREAM_GLAIVE / "glaive_toolcall_en_demo.json.gz",
+        UPSTREAM_GLAIVE / "glaive_toolcall_en_demo.jsonl.gz",
     ):
         out = tmp_path / source.name
         result = _run(
