@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -212,6 +213,15 @@ def test_length_drops_name_the_longest_message(tmp_path):
         lengths = [int(m.split(" of ")[1].split()[0]) for m in report["drop_examples"][reason]]
         assert max(lengths) == longest[reason] > 1025
     assert "glaive_toolcall_en_demo.json.gz: record 243: a message (assistant) of" in result.output
+
+    # stats, even when planning for another context, hints at the length the build dropped at
+    stats = _run("stats", tmp_path / "o", "--seq-len", 2048)
+    assert stats.exit_code == 0, stats.output
+    dropped = sum((Counter(s["dropped"]) for s in report["sources"]), Counter())
+    assert (
+        f"dropped hard_continuation {dropped['hard_continuation']}: an assistant message longer"
+        " than --seq-len 1024 tokens; raise --seq-len or split it" in stats.output
+    )
 
 
 def test_prepare_warns_of_duplicates_once_and_names_dedup(tmp_path):

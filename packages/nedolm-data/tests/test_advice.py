@@ -37,6 +37,10 @@ def test_length_hints_name_seq_len_and_the_longest():
     assert "--seq-len 512 tokens (longest: 900); raise --seq-len" in drop_hint(
         "message_too_long", 512, 900
     )
+    assert drop_hint("message_too_long", 512) == (  # stats: the manifest has no longest
+        "a context message (system, user or tool) longer than --seq-len 512 tokens;"
+        " raise --seq-len or shorten it"
+    )
 
 
 def report(kept: int, lost: int, characters: int, dups: int, deduped: int = 0) -> BuildReport:

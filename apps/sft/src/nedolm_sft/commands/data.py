@@ -336,10 +336,9 @@ def stats(data_dir: Path, seq_len: int | None, as_json: bool) -> None:
       nedolm-sft stats corpus/ --seq-len 2048
     """
     try:
-        if seq_len is None:
-            seq_len = int(
-                json.loads((data_dir / PACKING_AUDIT_FILE).read_text(encoding="utf-8"))["seq_len"]
-            )
+        audit = json.loads((data_dir / PACKING_AUDIT_FILE).read_text(encoding="utf-8"))
+        built_seq_len = int(audit["seq_len"])  # the one the records were dropped against
+        seq_len = seq_len or built_seq_len
         planned = discover_sft_shards(data_dir, seq_len)
         result = {
             "corpus": corpus_summary(data_dir),
@@ -352,6 +351,8 @@ def stats(data_dir: Path, seq_len: int | None, as_json: bool) -> None:
         click.echo(json.dumps(result, indent=2, sort_keys=True, ensure_ascii=False))
         return
     _echo_stats(result, seq_len)
+    for reason, count in result["corpus"].get("dropped", {}).items():
+        click.echo(f"dropped {reason} {count}: {drop_hint(reason, built_seq_len)}")
 
 
 def _echo_reported(corpus: dict) -> None:

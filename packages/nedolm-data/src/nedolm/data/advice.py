@@ -58,18 +58,20 @@ _HINTS = {
 }
 
 
-def drop_hint(reason: str, seq_len: int, longest: int = 0) -> str:
+def drop_hint(reason: str, seq_len: int, longest: int | None = None) -> str:
     """What records dropped for ``reason`` are and what to do; ``longest`` is the longest
-    message among the length drops (``BuildReport.drop_longest``)."""
+    message among the length drops (``BuildReport.drop_longest``; None where unknown, as in
+    ``stats``, which reads a manifest that does not record it)."""
+    length = "" if longest is None else f" (longest: {longest})"
     if reason == DROP_HARD_CONTINUATION:
         return (
-            f"an assistant message longer than --seq-len {seq_len} tokens (longest: {longest});"
+            f"an assistant message longer than --seq-len {seq_len} tokens{length};"
             " raise --seq-len or split it"
         )
     if reason == DROP_MESSAGE_TOO_LONG:
         return (
             f"a context message (system, user or tool) longer than --seq-len {seq_len} tokens"
-            f" (longest: {longest}); raise --seq-len or shorten it"
+            f"{length}; raise --seq-len or shorten it"
         )
     return _HINTS.get(reason, "see the examples")
 
