@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -31,6 +34,23 @@ def test_help_is_plain_text(name: str) -> None:
     assert result.exit_code == 0, result.output
     for markup in ("``", ":class:", ":func:", ".. "):
         assert markup not in result.output, f"nedolm-sft {name} --help shows {markup!r}"
+
+
+def test_the_command_list_imports_no_command() -> None:
+    """``nedolm-sft --help`` lists every command from the table alone: no torch, in a blink."""
+    script = (
+        "import sys; from nedolm_sft.cli import main; sys.argv = ['nedolm-sft', '--help']\n"
+        "try: main()\n"
+        "except SystemExit: pass\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('nedolm_sft.commands')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    *help_lines, imported = result.stdout.splitlines()
+    assert imported == "[]", imported
+    listed = [line.split()[0] for line in help_lines[help_lines.index("Commands:") + 1 :] if line]
+    assert listed == sorted(COMMANDS)
 
 
 def test_typical_session_starts_from_a_real_model_and_says_where_the_config_comes_from() -> None:

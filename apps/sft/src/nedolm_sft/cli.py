@@ -10,43 +10,58 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from typing import NamedTuple
 
 import click
 
 from nedolm.train.signals import install_early
 
+
+class Command(NamedTuple):
+    """Where a command lives (``module:attribute`` under ``nedolm_sft.commands``) and its line
+    in ``nedolm-sft --help``, which lists commands without importing them (and torch)."""
+
+    target: str
+    summary: str
+
+
 COMMANDS = {
-    "plot": "plot:plot",
-    "prepare": "data:prepare",
-    "verify": "data:verify",
-    "stats": "data:stats",
-    "export": "export:export",
-    "generate": "generate:generate",
-    "chat": "generate:chat",
-    "demo": "demo:demo",
-    "run": "train:run",
-    "init-base": "train:init_base_command",
-    "import-hf": "train:import_hf_command",
-    "inspect": "inspect:inspect",
-    "launch": "launch:launch",
+    "plot": Command("plot:plot", "Plot a run's losses, learning rate and throughput."),
+    "prepare": Command("data:prepare", "Build a verified corpus from chat files."),
+    "verify": Command("data:verify", "Re-verify a corpus from its binary shards."),
+    "stats": Command("data:stats", "Describe a corpus: counts, lengths, drops, packing."),
+    "export": Command("export:export", "Export a run's newest checkpoint to Hugging Face."),
+    "generate": Command("generate:generate", "Reply to one message with a run's checkpoint."),
+    "chat": Command("generate:chat", "Chat with a run's newest checkpoint in the terminal."),
+    "demo": Command("demo:demo", "Fine-tune the shipped base on a shipped sample (start here)."),
+    "run": Command("train:run", "Fine-tune from an SFT YAML config; resumes from the run dir."),
+    "init-base": Command("train:init_base_command", "Write a randomly initialised base run."),
+    "import-hf": Command(
+        "train:import_hf_command", "Make a base run of a Hugging Face Llama/Mistral."
+    ),
+    "inspect": Command("inspect:inspect", "Show a corpus's training windows, targets marked."),
+    "launch": Command("launch:launch", "Run a config on every rank of a torchrun or SLURM job."),
 }
-"""Command name -> ``module:attribute`` under ``nedolm_sft.commands``."""
 STOPPABLE = ("run", "launch")
 """Commands that turn SIGTERM/SIGUSR1/SIGINT into a clean stop (``nedolm.train.signals``)."""
 
 
 class LazyGroup(click.Group):
-    """A group whose commands (``COMMANDS``) are imported when looked up."""
+    """A group whose commands (``COMMANDS``) are imported when looked up, not when listed."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        target = COMMANDS.get(cmd_name)
-        if target is None:
+        command = COMMANDS.get(cmd_name)
+        if command is None:
             return None
-        module, _, attribute = target.partition(":")
+        module, _, attribute = command.target.partition(":")
         return getattr(importlib.import_module(f"nedolm_sft.commands.{module}"), attribute)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, COMMANDS[name].summary) for name in sorted(COMMANDS)])
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
