@@ -68,8 +68,11 @@ def test_bf16_autocast_head_matches_naive_at_bf16_precision(make_model, reductio
             for f in (True, False)
         ]
     (fused_loss, fused_grads), (naive_loss, naive_grads) = results
-    # fp32 softmax: the same bf16 logits give the same result; a bf16 softmax rounds differently.
-    loss_tol, grad_tol = (1e-5, 1e-5) if fp32_logits else (2e-3, 2e-2)
+    # fp32 softmax: the same bf16 logits give the same loss; the gradients may differ by one
+    # bf16 rounding (2^-8), since the fused head's chunked bf16 matmuls round at other points
+    # than one full-width matmul on some CPUs' kernels (1.8e-3 measured on an AMD EPYC, 0 on
+    # an Intel Xeon). A bf16 softmax rounds the loss differently too.
+    loss_tol, grad_tol = (1e-5, 2**-8) if fp32_logits else (2e-3, 2e-2)
     assert relative_error(fused_loss, naive_loss) <= loss_tol
     for name, grad in naive_grads.items():
         assert relative_error(fused_grads[name], grad) <= grad_tol, name
