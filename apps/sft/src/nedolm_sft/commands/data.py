@@ -336,8 +336,8 @@ def stats(data_dir: Path, seq_len: int | None, as_json: bool) -> None:
       nedolm-sft stats corpus/ --seq-len 2048
     """
     try:
-        audit = json.loads((data_dir / PACKING_AUDIT_FILE).read_text(encoding="utf-8"))
-        built_seq_len = int(audit["seq_len"])  # the one the records were dropped against
+        audit_path = data_dir / PACKING_AUDIT_FILE
+        built_seq_len = int(json.loads(audit_path.read_text(encoding="utf-8"))["seq_len"])
         seq_len = seq_len or built_seq_len
         planned = discover_sft_shards(data_dir, seq_len)
         result = {
@@ -350,9 +350,7 @@ def stats(data_dir: Path, seq_len: int | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True, ensure_ascii=False))
         return
-    _echo_stats(result, seq_len)
-    for reason, count in result["corpus"].get("dropped", {}).items():
-        click.echo(f"dropped {reason} {count}: {drop_hint(reason, built_seq_len)}")
+    _echo_stats(result, seq_len, built_seq_len)
 
 
 def _echo_reported(corpus: dict) -> None:
@@ -366,7 +364,8 @@ def _echo_reported(corpus: dict) -> None:
         click.echo(f"{label}: {total}" + (f" ({where})" if where else ""))
 
 
-def _echo_stats(result: dict, seq_len: int) -> None:
+def _echo_stats(result: dict, seq_len: int, built_seq_len: int) -> None:
+    """The summary lines; drop hints name ``built_seq_len``, the length the build dropped at."""
     corpus, packing, quality = result["corpus"], result["packing"], result["packing_quality"]
     roles = ", ".join(f"{k} {v}" for k, v in corpus["messages_by_role"].items())
     click.echo(
@@ -380,6 +379,8 @@ def _echo_stats(result: dict, seq_len: int) -> None:
         click.echo(
             f"input records {corpus['input_records']}, dropped: {drops}; validation shards {corpus['validation_shard_ids']}"
         )
+        for reason, count in corpus["dropped"].items():
+            click.echo(f"dropped {reason} {count}: {drop_hint(reason, built_seq_len)}")
         _echo_reported(corpus)
     click.echo(
         "document tokens: "
