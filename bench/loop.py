@@ -115,11 +115,15 @@ def main() -> None:
             batches: object,
             settings: StepSettings,
             step: int,
+            *,
+            local_stop: bool,
         ) -> StepResult:
             step_starts.append(time.perf_counter())
             fetched = [next(batches) for _ in range(settings.grad_accum_steps)]
             started = time.perf_counter()
-            result = train_step(model, params, optimizer, iter(fetched), settings, step)
+            result = train_step(
+                model, params, optimizer, iter(fetched), settings, step, local_stop=local_stop
+            )
             compute_times.append(time.perf_counter() - started)
             return result
 

@@ -86,7 +86,7 @@ def test_a_signal_during_the_imports_exits_0_before_step_1_with_nothing_saved(
     code, out = job.wait(), job.output()
     name = signal.Signals(signum).name
     assert code == 0, out[-3000:]
-    assert f"nedolm: {name} received: stopping at the next control point" in out
+    assert f"nedolm: {name} received: stopping before training starts; nothing new to save" in out
     assert f"stop requested ({name}): stopped before step 1; nothing to save" in out
     assert_stopped_before_step_1(config.with_suffix(""))
 
@@ -120,7 +120,7 @@ def test_first_ctrl_c_stops_on_a_checkpoint_and_a_second_aborts_naming_the_one_l
     [(stopped, path)] = list_checkpoints(run_dir)
     assert 2 <= stopped < MAX_STEPS and load_checkpoint(path)["step"] == stopped
     assert (
-        "nedolm: SIGINT received: stopping at the next control point; a checkpoint is coming "
+        "nedolm: SIGINT received: stopping after the next optimizer step; a checkpoint is coming "
         "(Ctrl-C again aborts without it)"
     ) in out
     assert f"stop requested (SIGINT): stopped at step {stopped}" in out
@@ -175,7 +175,7 @@ def test_ctrl_c_in_the_launchers_terminal_stops_every_rank_and_a_second_aborts(
     [(stopped, path)] = list_checkpoints(job.run_dir)
     out = job.output()
     assert f"launch: SIGINT: every rank stopped at step {stopped} on a valid checkpoint" in out
-    assert "[rank 1] nedolm: SIGINT received: stopping at the next control point" in out
+    assert "[rank 1] nedolm: SIGINT received: stopping after the next optimizer step" in out
 
     job = launch(config, env={"NEDOLM_TEST_DELAY": "data_fetch=0.3,checkpoint_write=60"})
     job.wait_for_step(stopped + 1)

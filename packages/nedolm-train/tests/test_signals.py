@@ -30,7 +30,19 @@ def test_signal_sets_the_stop_request_and_says_so_once(
     stop.request("max_hours")  # the first reason is kept
     assert stop.describe() == name
     [line] = capfd.readouterr().err.splitlines()
-    assert line.startswith(f"nedolm: {name} received: stopping at the next control point")
+    assert line == f"nedolm: {name} received: stopping before training starts; nothing new to save"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_once_training_a_signal_promises_a_checkpoint_after_the_next_step(
+    signum: int, capfd: pytest.CaptureFixture[str]
+) -> None:
+    stop = StopRequest().install()
+    stop.training = True  # what the loop sets when it starts stepping
+    deliver(signum)
+    [line] = capfd.readouterr().err.splitlines()
+    name = signal.Signals(signum).name
+    assert line.startswith(f"nedolm: {name} received: stopping after the next optimizer step")
     assert "a checkpoint is coming" in line
     assert ("Ctrl-C again aborts" in line) == (signum == signal.SIGINT)
 

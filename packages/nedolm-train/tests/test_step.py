@@ -158,7 +158,8 @@ def test_fetch_counts_targets_and_the_loader_owns_the_cursor(corpus, harness) ->
     seen = list(itertools.islice(iter(loader), 2))
     loader, _ = build_sft_loader(corpus, harness.SEQ_LEN, micro_batch_size=2, seed=3)
     assert loader.state_dict() == {}
-    micro, targets = fetch_step_batches(iter(loader), _settings(eos), step=0)
+    micro, targets, stop = fetch_step_batches(iter(loader), _settings(eos), step=0, local_stop=True)
+    assert stop  # this rank's request, agreed on in the same all-reduce
     assert [mb.targets for mb in micro] == [int(b["trainable_mask"].sum()) for b in seen]
     assert targets == sum(int(b["trainable_mask"][:, 1:].sum()) for b in seen)
     assert loader.state_dict() == {"0": seen[1]["state"][-1].tolist()}
@@ -168,9 +169,9 @@ def test_zero_target_step_fails_closed(batches, corpus) -> None:
     eos = read_special_tokens(corpus).eos_id
     empty = [_without_targets(b) for b in batches[:2]]
     with pytest.raises(StepError, match="optimizer step 5 has zero assistant targets"):
-        fetch_step_batches(iter(empty), _settings(eos), step=5)
+        fetch_step_batches(iter(empty), _settings(eos), step=5, local_stop=False)
     with pytest.raises(StepError, match="StopIteration"):
-        fetch_step_batches(iter(batches[:1]), _settings(eos), step=5)
+        fetch_step_batches(iter(batches[:1]), _settings(eos), step=5, local_stop=False)
 
 
 def test_validation_is_the_exact_mean_and_refuses_zero_targets(model, batches, corpus) -> None:

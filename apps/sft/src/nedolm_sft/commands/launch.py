@@ -32,7 +32,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from nedolm.train.signals import claim
+from nedolm.train.signals import claim, tell
 from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, left_behind, verify_stop
 from nedolm.train.trainer import smoke_run_dir
 from nedolm_sft.commands.train import config_to_run, run
@@ -103,21 +103,18 @@ def launch(argv: tuple[str, ...]) -> None:
             _stopped_before_start(signal_name)
             return
         if signals.interrupts > 1:
-            click.echo(f"launch: aborted by a second SIGINT: {left_behind(run_dir)}", err=True)
+            tell(f"launch: aborted by a second SIGINT: {left_behind(run_dir)}")
             sys.exit(128 + signal.SIGINT)
         try:
             stop = verify_stop(run_dir, launch_id)
         except UncleanStop as unclean:
-            click.echo(f"launch: {signal_name}: the job did not stop cleanly: {unclean}", err=True)
+            tell(f"launch: {signal_name}: the job did not stop cleanly: {unclean}")
             sys.exit(128 + exc.sigval)
         if stop.trained:
             where = f"stopped at step {stop.step} on a valid checkpoint"
         else:
             where = f"stopped before step {stop.step + 1}; nothing to save"
-        click.echo(
-            f"launch: {signal_name}: every rank {where}; re-run the same command to resume",
-            err=True,
-        )
+        tell(f"launch: {signal_name}: every rank {where}; re-run the same command to resume")
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise click.ClickException(
@@ -166,8 +163,7 @@ def _signal_children(signum: int) -> None:
 
 
 def _stopped_before_start(reason: str) -> None:
-    click.echo(
+    tell(
         f"launch: {reason}: stopped before any rank started; nothing to save; "
-        "re-run the same command to start",
-        err=True,
+        "re-run the same command to start"
     )

@@ -3,9 +3,12 @@
 checkpoints as due.
 
 Control flow that depends on anything rank-local (a signal, the wall clock) is agreed on by
-every rank at deterministic control points (``sync_control_flags``), so every rank takes the
-same branch. A stop request (SIGTERM/SIGUSR1, ``max_hours``) is honoured at the next control
-point: every ``control_interval`` steps, at every checkpoint step and at the last step.
+every rank before anyone acts, so every rank takes the same branch. A stop request
+(SIGTERM/SIGUSR1/Ctrl-C, ``max_hours``) rides the all-reduce that every optimizer step already
+makes (``train_step``'s fetch), so it is honoured after the next optimizer step at no extra
+collective. The archive clock (rank 0's) is agreed on at control points: every
+``control_interval`` steps, at every checkpoint step and at the last step
+(``sync_control_flags``, which also catches a stop requested during the last step).
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from nedolm.dist import all_rank_call, gather_object, main_rank_call, sum_all, sync_control_flags
+from nedolm.train.async_save import BackgroundWrite, StagedCopies
 from nedolm.train.checkpoint import (
+    CheckpointError,
     checkpoint_path,
     remove_stale_temporaries,
     rotate_checkpoints,
@@ -61,6 +66,13 @@ class Trainer:
         self.job_start = time.monotonic()
         self.last_archive = time.monotonic()
         self.first_step = run.state.progress.step
+        self.background = BackgroundWrite()  # rank 0's checkpoint write in flight, if any
+        self.staged = StagedCopies()
+        self.async_save = t.async_checkpoint and not is_sharded(run.state.model)
+        if t.async_checkpoint and not self.async_save:
+            log.info("train.async_checkpoint: sharded (FSDP) checkpoints are written in the step")
+        self.pending: tuple[int, float] | None = None
+        """(step, training pause in s) of the background write not yet collected, every rank."""
         self._reset_log_window()
 
     def train(self) -> bool:
@@ -72,11 +84,18 @@ class Trainer:
         log.info("training steps %d -> %d", progress.step, run.max_steps)
         run.model.train()
         self._reset_log_window()
+        self.stop.training = True  # a stop from now on is answered with a checkpoint
         for step in range(progress.step, run.max_steps):
             lr = lr_at_step(step, run.cfg.optim, progress.schedule_steps or run.max_steps)
             set_lr(self.state.optimizer, lr)
             result = train_step(
-                run.model, self.params, self.state.optimizer, run.train_batches, run.settings, step
+                run.model,
+                self.params,
+                self.state.optimizer,
+                run.train_batches,
+                run.settings,
+                step,
+                local_stop=self._local_stop(),
             )
             done = step + 1
             self._account(done, result)
@@ -91,7 +110,7 @@ class Trainer:
                 done % run.cfg.validation.interval == 0 or done == run.max_steps
             ):
                 self.validate()
-            if self.control(done):
+            if self.control(done, stop_agreed=result.stop):
                 log.warning("stop requested (%s): stopped at step %d", self.stop.describe(), done)
                 return True
         log.info(
@@ -196,35 +215,51 @@ class Trainer:
 
         main_rank_call(run.info, f"log validation at step {step}", write)
 
-    def control(self, done: int) -> bool:
-        """Agree on archive/stop at control points and checkpoint as due; True = stop now."""
+    def _local_stop(self) -> bool:
+        """This rank's stop request: a signal, or the ``max_hours`` limit reached."""
+        max_hours = self.run.cfg.train.max_hours
+        if max_hours > 0 and (time.monotonic() - self.job_start) / 3600 >= max_hours:
+            self.stop.request("max_hours")
+        return self.stop.requested
+
+    def control(self, done: int, *, stop_agreed: bool) -> bool:
+        """Checkpoint on an agreed stop and as due; agree on the archive at control points.
+        Returns True to stop now."""
         run, t = self.run, self.run.cfg.train
         is_last = done == run.max_steps
-        if not (done % t.control_interval == 0 or done % t.ckpt_interval == 0 or is_last):
+        stop, archive = stop_agreed, False
+        at_control_point = done % t.control_interval == 0 or done % t.ckpt_interval == 0
+        if not stop and (at_control_point or is_last):
+            archive_due = (
+                t.archive_interval_hours > 0
+                and (time.monotonic() - self.last_archive) / 3600 >= t.archive_interval_hours
+            )
+            archive, stop = sync_control_flags(
+                rank0_archive_due=archive_due, local_stop=self._local_stop()
+            )
+        if at_control_point or is_last:  # a failed background write stops every rank here
+            self._collect_background_write(block=is_last)
+        if not (stop or archive or done % t.ckpt_interval == 0 or is_last):
             return False
-        over_time = t.max_hours > 0 and (time.monotonic() - self.job_start) / 3600 >= t.max_hours
-        archive_due = (
-            t.archive_interval_hours > 0
-            and (time.monotonic() - self.last_archive) / 3600 >= t.archive_interval_hours
-        )
-        archive, stop = sync_control_flags(
-            rank0_archive_due=archive_due, local_stop=self.stop.requested or over_time
-        )
-        if over_time:
-            self.stop.request("max_hours")
         with self._untimed():
             if archive:
                 self.save_archive()
             if stop or done % t.ckpt_interval == 0 or (is_last and t.save_final_checkpoint):
-                self.save_checkpoint()
+                self.save_checkpoint(wait=stop or is_last)
         return stop
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, *, wait: bool = False) -> None:
         """Gather every rank's RNG and loader cursor, then rank 0 writes one atomic file
-        (under FSDP: every rank writes its shards into one atomic directory)."""
+        (under FSDP: every rank writes its shards into one atomic directory).
+
+        With ``train.async_checkpoint`` rank 0 copies the state to CPU memory and writes it in
+        the background while training goes on; the previous background write is waited for
+        first (one in flight at most), and ``wait`` (a stop, the last step) waits for this one.
+        """
         run, state = self.run, self.state
         done = state.progress.step
-
+        started = time.monotonic()
+        self._collect_background_write(block=True)
         log.info("writing checkpoint at step %d", done)
 
         def rank_state() -> dict:
@@ -256,21 +291,77 @@ class Trainer:
                 lambda: rotate_checkpoints(run.cfg.run_dir, done, t.keep_last, t.keep_every),
             )
             log.info("sharded checkpoint written: %s", path)
+            elapsed = time.monotonic() - started
+            main_rank_call(run.info, "log checkpoint", lambda: self._log_save(done, elapsed, None))
             return
 
-        def write() -> None:
-            payload = {**extra, **state.state_dict(ranks)}
+        def write(payload: dict) -> None:
             path = save_checkpoint(
                 run.cfg.run_dir, done, payload, keep_last=t.keep_last, keep_every=t.keep_every
             )
             log.info("checkpoint written: %s", path)
 
-        main_rank_call(run.info, f"write checkpoint at step {done}", write)
+        if not self.async_save:
+            main_rank_call(
+                run.info,
+                f"write checkpoint at step {done}",
+                lambda: write({**extra, **state.state_dict(ranks)}),
+            )
+            elapsed = time.monotonic() - started
+            main_rank_call(run.info, "log checkpoint", lambda: self._log_save(done, elapsed, None))
+            return
+
+        def stage_and_submit() -> None:
+            payload = self.staged.stage({**extra, **state.state_dict(ranks)})
+            self.background.submit(f"checkpoint-{done}", lambda: _write_named(write, payload, done))
+
+        main_rank_call(run.info, f"stage checkpoint at step {done}", stage_and_submit)
+        self.pending = (done, time.monotonic() - started)
+        if wait:
+            self._collect_background_write(block=True)
+
+    def _collect_background_write(self, *, block: bool) -> None:
+        """Rank 0's background write, once it has ended (``block``: wait for it): its times
+        go to the log and metrics; its failure is raised on every rank, naming the file."""
+        if self.pending is None:
+            return
+        step, pause = self.pending
+
+        def collect() -> bool:
+            if not (block or self.background.finished()):
+                return False
+            self._log_save(step, pause, self.background.collect())
+            return True
+
+        if main_rank_call(self.run.info, f"write checkpoint at step {step}", collect):
+            self.pending = None
+
+    def _log_save(self, step: int, pause_s: float, write_s: float | None) -> None:
+        """Rank 0: ``{"kind": "checkpoint", "pause_s", "write_s"}``; a synchronous save's write
+        is its pause (``write_s`` None)."""
+        background = write_s is not None
+        record = {
+            "step": step,
+            "kind": "checkpoint",
+            "pause_s": pause_s,
+            "write_s": write_s if background else pause_s,
+            "background": background,
+        }
+        if self.writer is not None:
+            self.writer.write(record)
+        log.info(
+            "checkpoint at step %d: training paused %.2f s, written in %.2f s%s",
+            step,
+            pause_s,
+            record["write_s"],
+            " (in the background)" if background else "",
+        )
 
     def save_archive(self) -> None:
         """Weights and provenance only, for shipping or evaluating a snapshot."""
         run, state = self.run, self.state
         done = state.progress.step
+        self._collect_background_write(block=True)  # not two writes of the state at once
         weights = full_model_state(state.model)  # a collective under FSDP; rank 0 holds it
 
         def write() -> None:
@@ -302,6 +393,20 @@ class Trainer:
         self.window_targets = 0
         self.window_steps = 0
         self.window_start = time.monotonic()
+
+
+def _write_named(write: Callable[[dict], None], payload: dict, step: int) -> None:
+    """``write(payload)``, a failure re-raised as a CheckpointError naming the file (a disk-full
+    error already does): a background failure surfaces steps later, far from its cause."""
+    try:
+        write(payload)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot write checkpoint at step {step}: {type(exc).__name__}: {exc}; "
+            "the previous checkpoints are intact"
+        ) from exc
 
 
 def _cluster_peak_flops(device: torch.device, world_size: int) -> float | None:

@@ -4,11 +4,12 @@ count, runs ``forward_backward`` per micro-batch, clips and steps.
 The loss of a step is the exact mean over every assistant target of every micro-batch on every
 rank: each micro-batch's *summed* loss is scaled by ``world_size / global_targets`` (DDP then
 averages over ranks), so short-target micro-batches are not over-weighted as a per-micro-batch
-mean would do. Fetch failures and the target count travel in one SUM all-reduce, so the hot
-path has a single tiny collective and a rank whose loader failed cannot strand its peers. That
-collective's host read is the one per-step sync: every rank must know before its forward pass
-whether any rank failed (else a healthy rank would wait forever in DDP's gradient all-reduce);
-the target count rides in the same read for free.
+mean would do. Fetch failures, the target count and stop requests travel in one SUM
+all-reduce, so the hot path has a single tiny collective and a rank whose loader failed cannot
+strand its peers. That collective's host read is the one per-step sync: every rank must know
+before its forward pass whether any rank failed (else a healthy rank would wait forever in DDP's
+gradient all-reduce); the target count and the stop flag ride in the same read for free, so a
+stop requested on any rank is agreed on by every rank at the next optimizer step.
 
 ``forward_backward`` is the one way the model is called for training: the compile warm-up calls
 it too, with a batch of the same shape, so it compiles the graph that training runs.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,8 @@ class StepResult:
     grad_norm: Tensor
     global_targets: int
     """Assistant targets of the step over every rank."""
+    stop: bool
+    """Some rank asked to stop before this step's fetch: every rank stops after this step."""
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,20 @@ def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
         )
 
 
+class StepBatches(NamedTuple):
+    """A step's micro-batches on this rank and what every rank agreed on while fetching."""
+
+    micro_batches: list[MicroBatch]
+    global_targets: int
+    stop: bool
+    """Some rank asked to stop."""
+
+
 def fetch_step_batches(
-    batches: Iterator[dict[str, Any]], settings: StepSettings, step: int
-) -> tuple[list[MicroBatch], int]:
-    """Pull the step's micro-batches on every rank; returns them and the global target count.
+    batches: Iterator[dict[str, Any]], settings: StepSettings, step: int, *, local_stop: bool
+) -> StepBatches:
+    """Pull the step's micro-batches on every rank and agree on the global target count and on
+    stopping (``local_stop``: this rank's request) in the step's one all-reduce.
 
     Raises:
         StepError: on every rank, when any rank failed to fetch or has no target in the step.
@@ -136,13 +149,15 @@ def fetch_step_batches(
         local_error = f"{type(exc).__name__}: {exc}"
     local_targets = sum(mb.targets for mb in micro_batches)
     status = torch.tensor(
-        [local_targets, int(bool(local_error))], dtype=torch.int64, device=info.device
+        [local_targets, int(bool(local_error)), int(local_stop)],
+        dtype=torch.int64,
+        device=info.device,
     )
-    global_targets, failed = sum_all(status).tolist()
+    global_targets, failed, stops = sum_all(status).tolist()
     if failed:
         errors = collect_rank_errors(info, local_error)
         raise StepError(f"batch fetch failed at optimizer step {step}: " + " | ".join(errors))
-    return micro_batches, global_targets
+    return StepBatches(micro_batches, global_targets, stops > 0)
 
 
 def forward_backward(
@@ -182,13 +197,18 @@ def train_step(
     batches: Iterator[dict[str, Any]],
     settings: StepSettings,
     step: int,
+    *,
+    local_stop: bool = False,
 ) -> StepResult:
-    """Fetch, accumulate, clip (refusing non-finite norms) and step (0-based ``step``).
+    """Fetch, accumulate, clip (refusing non-finite norms) and step (0-based ``step``);
+    ``local_stop`` is this rank's stop request, agreed on with the other ranks' in the fetch.
 
     ``model`` may be the DDP wrapper (gradients all-reduced on the last micro-batch only) or
     an FSDP module (``params`` are then sharded DTensors; the norm is the global one).
     """
-    micro_batches, global_targets = fetch_step_batches(batches, settings, step)
+    micro_batches, global_targets, stop = fetch_step_batches(
+        batches, settings, step, local_stop=local_stop
+    )
     scale = settings.info.world_size / global_targets
     local_loss = torch.zeros((), dtype=torch.float32, device=micro_batches[0].inputs.device)
     for i, mb in enumerate(micro_batches):
@@ -200,4 +220,4 @@ def train_step(
         raise StepError(f"non-finite gradient norm at optimizer step {step}: {exc}") from exc
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(local_loss, grad_norm, global_targets)
+    return StepResult(local_loss, grad_norm, global_targets, stop)
