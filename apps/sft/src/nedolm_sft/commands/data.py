@@ -8,12 +8,14 @@ from pathlib import Path
 
 import click
 import msgspec
+import yaml
 
 from nedolm.data.advice import build_warnings, drop_hint, stop_hint
 from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.build_options import DEFAULT_SHARDS, DEFAULT_VAL_FRACTION
 from nedolm.data.builder import BuildError, BuildOptions, BuildReport, build_corpus
 from nedolm.data.contract import PACKING_AUDIT_FILE
+from nedolm.data.drops import drop_warning
 from nedolm.data.format import ShardFormatError
 from nedolm.data.inputs import FORMATS
 from nedolm.data.packing import discover_sft_shards
@@ -56,8 +58,45 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
         ) from None
 
 
+def _weighted(pairs: tuple[str, ...], mix_file: Path | None) -> dict[Path, float]:
+    """--mix FILE=WEIGHT pairs and a mixture YAML ({FILE: WEIGHT}, paths relative to it)."""
+    mixture: dict[Path, float] = {}
+    for pair in pairs:
+        path, sep, weight = pair.rpartition("=")
+        if not sep or not path:
+            raise click.BadParameter(f"{pair!r} is not FILE=WEIGHT", param_hint="--mix")
+        mixture[Path(path)] = _weight(weight, f"--mix {pair}")
+    if mix_file is not None:
+        try:
+            entries = yaml.safe_load(mix_file.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise click.BadParameter(f"{mix_file}: {exc}", param_hint="--mix-file") from None
+        if not isinstance(entries, dict) or not entries:
+            raise click.BadParameter(
+                f"{mix_file}: not a mapping of input file to weight", param_hint="--mix-file"
+            )
+        for path, weight in entries.items():
+            mixture[mix_file.parent / str(path)] = _weight(weight, f"{mix_file}: {path}")
+    for path in mixture:
+        if not path.exists():
+            raise click.BadParameter(f"{path}: input file not found", param_hint="--mix")
+    return mixture
+
+
+def _weight(value: object, where: str) -> float:
+    try:
+        weight = float(str(value))
+    except ValueError:
+        weight = -1.0
+    if not 0 < weight < float("inf"):
+        raise click.BadParameter(
+            f"{where}: the weight must be a positive number", param_hint="--mix"
+        )
+    return weight
+
+
 @click.command()
-@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.argument("inputs", nargs=-1, type=click.Path(exists=True, path_type=Path))
 @click.option(
     "--format",
     "input_format",
@@ -112,6 +151,53 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
     type=click.FloatRange(0, 1, max_open=True),
     help="Instead of --val-shards: hold out the last ceil(F * shards) shards, at least one"
     f" (default {DEFAULT_VAL_FRACTION:g}: the last of {DEFAULT_SHARDS}); 0 holds out none.",
+)
+@click.option(
+    "--val-input",
+    "val_inputs",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    metavar="FILE",
+    help="Validate on FILE instead of shards held out of INPUTS (repeatable): each becomes"
+    " one validation shard after the training shards, and training logs the validation loss"
+    " of each FILE (val_loss_by_source) beside the overall one.",
+)
+@click.option(
+    "--mix",
+    multiple=True,
+    metavar="FILE=WEIGHT",
+    help="A mixture: FILE is an input whose share of the training conversations is"
+    " WEIGHT / (sum of the weights) (repeatable; give every input this way, not as INPUTS)."
+    " The corpus holds --mix-total conversations, by default as many as the inputs' usable"
+    " ones together; each input's count is its share of that total rounded by largest"
+    " remainder (floors first, the rest one each to the largest fractions, ties to the earlier"
+    " input), so the counts sum to the total exactly. An input gives whole conversations:"
+    " down-sampled without repeats, up-sampled by repeating each of them count // usable times"
+    " and count % usable of them once more, drawn by --seed.",
+)
+@click.option(
+    "--mix-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A YAML mapping of input file (relative to the YAML file) to weight, read as --mix.",
+)
+@click.option(
+    "--mix-total",
+    type=click.IntRange(min=1),
+    help="The mixture's training conversations (default: the weighted inputs' usable ones).",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Draws which conversations a mixture keeps or repeats.",
+)
+@click.option(
+    "--max-drop-fraction",
+    type=click.FloatRange(0, 1),
+    metavar="F",
+    help="Fail, writing no corpus, when more than F of the records or of the assistant"
+    " tokens are dropped (prepare warns past 0.05 either way).",
 )
 @click.option(
     "--on-bad-record",
@@ -189,6 +275,12 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
 )
 def prepare(
     inputs: tuple[Path, ...],
+    val_inputs: tuple[Path, ...],
+    mix: tuple[str, ...],
+    mix_file: Path | None,
+    mix_total: int | None,
+    seed: int,
+    max_drop_fraction: float | None,
     input_format: str,
     messages_field: str | None,
     tokenizer: Path,
@@ -217,13 +309,21 @@ def prepare(
     Alpaca-style instruction/input/output records: JSON lines or one JSON array [...] (plain,
     .gz, .zst), Parquet files or datasets save_to_disk directories. Records without a target
     or with a message too long for any window are dropped and counted; every input record is
-    accounted for. By default 5% of the corpus (one shard of 20) is held out for validation.
+    accounted for. By default 5% of the corpus (one shard of 20) is held out for validation;
+    --val-input validates on files of their own instead. --mix weighs the inputs.
 
     \b
     Example:
       nedolm-sft prepare data/*.jsonl --tokenizer tokenizer.json --out corpus/ \\
           --seq-len 4096 --shards 8 --val-shards 7
+      nedolm-sft prepare --mix data/a.jsonl=0.7 --mix data/b.jsonl=0.3 \\
+          --val-input data/eval.jsonl --tokenizer tokenizer.json --out corpus/ --seq-len 4096
     """
+    mixture = _weighted(mix, mix_file)
+    if mixture and inputs:
+        raise click.UsageError("give the inputs either as INPUTS or with --mix, not both")
+    if not mixture and not inputs:
+        raise click.UsageError("give the input files (INPUTS, or --mix FILE=WEIGHT)")
     try:
         options = BuildOptions(
             seq_len=seq_len,
@@ -244,9 +344,20 @@ def prepare(
             max_line_bytes=max_line_bytes,
             overwrite=overwrite,
             dedup=dedup,
+            weights=tuple(mixture.values()),
+            mix_total=mix_total,
+            seed=seed,
+            max_drop_fraction=max_drop_fraction,
         )
         started = time.perf_counter()
-        report = build_corpus(inputs, tokenizer, out, options, progress=progress)
+        report = build_corpus(
+            inputs or tuple(mixture),
+            tokenizer,
+            out,
+            options,
+            val_inputs=val_inputs,
+            progress=progress,
+        )
     except BadRecordError as exc:
         raise click.ClickException(f"{exc}; {stop_hint(exc.reason)}") from exc
     except (*_USER_ERRORS, ValueError) as exc:
@@ -260,7 +371,8 @@ def prepare(
             " give --shards 2 or more, or --val-fraction 0 to mean none",
             err=True,
         )
-    for warning in build_warnings(report):
+    drops = drop_warning(report.drop_share, seq_len, report.drop_longest)
+    for warning in ([drops] if drops else []) + build_warnings(report):
         click.echo(warning, err=True)
     if report_path is not None:
         atomic_write_bytes(report_path, msgspec.json.format(msgspec.json.encode(report)) + b"\n")
@@ -280,12 +392,16 @@ def _echo_report(report: BuildReport, seq_len: int, seconds: float) -> None:
             f"  {s.lost_characters:>6}  {s.duplicate_conversations:>6}  {drops}"
         )
     kept = sum(s.kept for s in report.sources)
+    left_out = sum(s.left_out for s in report.sources)
     dropped = report.dropped
     reasons = ", ".join(f"{k} {v}" for k, v in dropped.items())
     click.echo(
-        f"records {report.records} = kept {kept} + dropped {sum(dropped.values())}"
+        f"records {report.records} = kept {kept}"
+        + (f" + left out {left_out}" if left_out else "")
+        + f" + dropped {sum(dropped.values())}"
         + (f" ({reasons})" if reasons else "")
     )
+    _echo_mixture([msgspec.to_builtins(s) for s in report.sources])
     for reason, examples in report.drop_examples.items():
         hint = drop_hint(reason, seq_len, report.drop_longest.get(reason, 0))
         click.echo(f"dropped {reason} {dropped[reason]}: {hint}; e.g.:")
@@ -353,6 +469,24 @@ def stats(data_dir: Path, seq_len: int | None, as_json: bool) -> None:
     _echo_stats(result, seq_len, built_seq_len)
 
 
+def _echo_mixture(sources: list[dict]) -> None:
+    """Per weighted or validation input: what the corpus holds of it and why."""
+    for s in sources:  # the manifest leaves out counts at their default, 0
+        repeated, left_out = s.get("repeated", 0), s.get("left_out", 0)
+        if s.get("weight") is not None:
+            click.echo(
+                f"mixture {s['name']} (weight {s['weight']:g}): {s['kept'] + repeated}"
+                f" conversations = kept {s['kept']} + repeated {repeated};"
+                f" left out {left_out}, dropped {sum(s['dropped'].values())}"
+                f" of {s['records']} records"
+            )
+        if s.get("validation_shard") is not None:
+            click.echo(
+                f"validation {s['name']}: shard {s['validation_shard']}, {s['kept']} conversations"
+                f" (dropped {sum(s['dropped'].values())} of {s['records']} records)"
+            )
+
+
 def _echo_reported(corpus: dict) -> None:
     """The build's coverage and duplicate counts, in total and per source that has any."""
     for key, label in REPORTED.items():
@@ -381,6 +515,7 @@ def _echo_stats(result: dict, seq_len: int, built_seq_len: int) -> None:
         )
         for reason, count in corpus["dropped"].items():
             click.echo(f"dropped {reason} {count}: {drop_hint(reason, built_seq_len)}")
+        _echo_mixture(corpus["sources"])
         _echo_reported(corpus)
     click.echo(
         "document tokens: "

@@ -7,7 +7,8 @@ and for duplicate conversations once they pass a share of the corpus.
 
 from __future__ import annotations
 
-from nedolm.data.builder import BuildReport
+from typing import TYPE_CHECKING
+
 from nedolm.data.packing import DROP_HARD_CONTINUATION, DROP_MESSAGE_TOO_LONG, DROP_NO_TARGET
 from nedolm.data.sources import (
     CONTROL_TOKEN_IN_CONTENT,
@@ -25,6 +26,9 @@ from nedolm.data.sources import (
     UNKNOWN_TOKEN,
     UNSUPPORTED_ROLE,
 )
+
+if TYPE_CHECKING:  # the builder refuses through ``drops``, which uses this module's hints
+    from nedolm.data.builder import BuildReport
 
 LOST_WARNING = 0.001
 """Warn when the tokenizer loses more than this share of the kept content's characters."""

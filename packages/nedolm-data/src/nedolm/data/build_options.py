@@ -41,6 +41,10 @@ class BuildOptions:
     max_line_bytes: int = MAX_LINE_BYTES  # a longer input line is a bad record, never read whole
     overwrite: bool = False  # replace an ``out`` that holds a different corpus
     dedup: bool = False  # drop a conversation laid out exactly like an earlier one (always counted)
+    weights: tuple[float, ...] = ()  # a mixture: one weight per input (see ``mixture``)
+    mix_total: int | None = None  # a mixture's conversations (default: the inputs' usable ones)
+    seed: int = 0  # draws a mixture's conversations
+    max_drop_fraction: float | None = None  # refuse a build that loses more (see ``drops``)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -63,6 +67,12 @@ class BuildOptions:
             raise BuildError("--workers and the chunk size must be at least 1")
         if self.max_line_bytes < 1:
             raise BuildError(f"--max-line-bytes must be positive, not {self.max_line_bytes}")
+        if any(not 0 < w < math.inf for w in self.weights):
+            raise BuildError(f"mixture weights must be positive numbers, not {self.weights}")
+        if self.mix_total is not None and (self.mix_total < 1 or not self.weights):
+            raise BuildError("--mix-total needs --mix and must be at least 1")
+        if self.max_drop_fraction is not None and not 0 <= self.max_drop_fraction <= 1:
+            raise BuildError(f"--max-drop-fraction must be in [0, 1], not {self.max_drop_fraction}")
 
     @property
     def round_robin_shards(self) -> int | None:

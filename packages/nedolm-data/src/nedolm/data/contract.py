@@ -66,18 +66,27 @@ class ManifestEntry(msgspec.Struct, frozen=True):
     size: int
 
 
-class SourceEntry(msgspec.Struct, frozen=True):
-    """One input file's accounting in the manifest: ``records == kept + sum(dropped)``."""
+class SourceEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One input file's accounting in the manifest:
+    ``records == kept + left_out + sum(dropped)``; the corpus holds ``kept + repeated`` of its
+    conversations. Fields at their defaults are not written, so a corpus built without a
+    mixture or validation inputs has the manifest it had before they existed."""
 
     name: str
     sha256: str
     records: int
-    kept: int
+    kept: int  # distinct conversations in the corpus
     dropped: dict[str, int]
     # Reported, not claimed (None: the corpus was built before they were counted):
     unk_target_tokens: int | None = None  # <unk> ids inside the kept records' targets
     lost_characters: int | None = None  # content characters that encode → decode loses
     duplicate_conversations: int | None = None  # records laid out exactly like an earlier one
+    # A mixture (``prepare --mix``): the source's weight, its usable conversations the draw
+    # left out, and the extra copies it added (a conversation drawn 3 times: 1 kept + 2 repeated)
+    weight: float | None = None
+    left_out: int = 0
+    repeated: int = 0
+    validation_shard: int | None = None  # a --val-input: the shard holding its documents
 
 
 class BuildProvenance(msgspec.Struct, frozen=True):
@@ -320,8 +329,25 @@ def manifest_problems(manifest: ShardManifest) -> list[str]:
             manifest.validation_sha256 == validation_sha256(manifest.validation_shard_ids),
             "validation_sha256 does not match validation_shard_ids (the held-out split changed)",
         ),
+        (
+            set(validation_sources(manifest.build)) <= set(manifest.validation_shard_ids),
+            f"a validation input's shard is not among validation_shard_ids"
+            f" {manifest.validation_shard_ids}",
+        ),
     ]
     return [why for ok, why in checks if not ok]
+
+
+def validation_sources(build: BuildProvenance) -> dict[int, str]:
+    """Shard id -> name of the validation input it holds (``prepare --val-input``); empty for
+    a corpus whose validation shards were held out of the training inputs."""
+    return {s.validation_shard: s.name for s in build.sources if s.validation_shard is not None}
+
+
+def read_validation_sources(data_dir: Path) -> dict[int, str]:
+    """``validation_sources`` of the corpus at ``data_dir`` (its SHARD_MANIFEST.json)."""
+    path = Path(data_dir) / SHARD_MANIFEST_FILE
+    return validation_sources(msgspec.json.decode(path.read_bytes(), type=ShardManifest).build)
 
 
 def build_problems(build: BuildProvenance, shard_count: int, special: SpecialTokens) -> list[str]:
@@ -329,15 +355,21 @@ def build_problems(build: BuildProvenance, shard_count: int, special: SpecialTok
     shard, and the tokenizer hash is the one SPECIAL_TOKENS.json records for the corpus's
     tokenizer copy (the verifier checks the copy against that record, and names the copy)."""
     problems = [
-        f"build.sources {s.name}: records {s.records} != kept {s.kept} + dropped "
-        f"{sum(s.dropped.values())}"
+        f"build.sources {s.name}: records {s.records} != kept {s.kept} + left_out"
+        f" {s.left_out} + dropped {sum(s.dropped.values())}"
         for s in build.sources
-        if s.records != s.kept + sum(s.dropped.values())
+        if s.records != s.kept + s.left_out + sum(s.dropped.values())
     ]
     problems += [
-        f"build.sources {s.name}: negative count in dropped {s.dropped}"
+        f"build.sources {s.name}: negative count in kept, left_out, repeated or dropped"
         for s in build.sources
-        if s.kept < 0 or any(n < 0 for n in s.dropped.values())
+        if min(s.kept, s.left_out, s.repeated, *s.dropped.values()) < 0
+    ]
+    problems += [
+        f"build.sources {s.name}: validation_shard {s.validation_shard} is not a shard id"
+        f" below {shard_count}"
+        for s in build.sources
+        if s.validation_shard is not None and not 0 <= s.validation_shard < shard_count
     ]
     if len(build.content_sha256) != shard_count:
         problems.append(

@@ -33,7 +33,7 @@ from nedolm.data.packing import (
     DROP_MESSAGE_TOO_LONG,
     document_drop_reason,
 )
-from nedolm.data.records import ROLE_NAMES, token_dtype
+from nedolm.data.records import ROLE_NAMES, target_tokens, token_dtype
 from nedolm.data.render import ConversationLayout, message_segments
 from nedolm.data.sources import (
     EMPTY_CONTENT,
@@ -63,6 +63,7 @@ class EncodedDocument:
     unk_target_tokens: int  # <unk> ids inside trainable content
     lost_characters: int  # content characters that encode → decode does not give back
     characters: int  # content characters in all (what lost_characters is a share of)
+    target_tokens: int = 0  # assistant targets (what a drop of a document would lose)
 
 
 Encoded = EncodedDocument | Rejected
@@ -168,6 +169,7 @@ class ChunkEncoder:
             ),
             lost_characters=lost,
             characters=sum(len(m.text) for m in conv.messages),
+            target_tokens=target_tokens(segments),
         )
 
     def _unknown(self, where: str, contents: list[list[int]]) -> Rejected | None:
@@ -199,6 +201,7 @@ def planner_rejection(where: str, reason: str, segments: np.ndarray, seq_len: in
         f"{where}: a message ({role}) of {lengths[i]} tokens, more than a --seq-len {seq_len}"
         f" window holds ({seq_len + 1})",
         tokens=int(lengths[i]),
+        target_tokens=target_tokens(segments),
     )
 
 

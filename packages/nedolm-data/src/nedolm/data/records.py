@@ -51,6 +51,14 @@ SEGMENT_DTYPE = np.dtype(
 )
 """One record per message. Targets of a trainable message: ``[start + header_len, start + length)``."""
 
+
+def target_tokens(segments: np.ndarray) -> int:
+    """The assistant targets of one document's ``segments`` (SEGMENT_DTYPE records)."""
+    trainable = segments["trainable"] != 0
+    lengths = segments["length"][trainable].astype(np.int64)
+    return int((lengths - segments["header_len"][trainable]).sum())
+
+
 INDEX_DTYPE = np.dtype(
     [
         ("doc_key", "<u8"),  # stable 64-bit key of the source record (unique in the corpus)

@@ -3,7 +3,7 @@
 Documents are dealt round-robin over N shards, or fill shards in order up to a token count.
 Without either option, N is ``DEFAULT_SHARDS``, cut to the number of documents when fewer
 (round-robin fills the first shards first, so that is what ``--shards <documents>`` gives).
-Files are written as ``part-NNNNN.*`` and get their final ``sft-…-of-…`` names in ``finish``,
+Files are written as ``part-NNNNN.*`` (``validation-NNNNN.*``) and get their final ``sft-…-of-…`` names in ``finish``,
 once the number of shards is known.
 """
 
@@ -25,8 +25,8 @@ from nedolm.data.records import INDEX_DTYPE, SEGMENT_DTYPE
 class ShardWriter:
     """One shard's three files plus the digest of its content tokens."""
 
-    def __init__(self, directory: Path, slot: int, dtype: np.dtype) -> None:
-        base = directory / f"part-{slot:05d}"
+    def __init__(self, directory: Path, slot: int, dtype: np.dtype, kind: str = "part") -> None:
+        base = directory / f"{kind}-{slot:05d}"
         self.tokens = ArrayWriter(base.with_suffix(".tokens.bin"), "tokens", dtype)
         self.segments = ArrayWriter(base.with_suffix(".segments.bin"), "segments", SEGMENT_DTYPE)
         self.index = ArrayWriter(base.with_suffix(".index.bin"), "index", INDEX_DTYPE)
@@ -67,15 +67,21 @@ class ShardWriter:
 
 
 class ShardSink:
-    """Deals kept documents to shards: round-robin over N, or filled in order up to a size."""
+    """Deals kept documents to shards: round-robin over N, or filled in order up to a size;
+    each validation input's documents go to a shard of its own, after the training shards."""
 
-    def __init__(self, directory: Path, options: BuildOptions, dtype: np.dtype) -> None:
+    def __init__(
+        self, directory: Path, options: BuildOptions, dtype: np.dtype, validation_shards: int = 0
+    ) -> None:
         self.directory = directory
         self.dtype = dtype
         self.shard_tokens = options.shard_tokens
         count = options.round_robin_shards or 1  # --shard-tokens: shards open one after another
-        _ensure_open_files(3 * count)
+        _ensure_open_files(3 * (count + validation_shards))
         self.writers = [ShardWriter(directory, i, dtype) for i in range(count)]
+        self.validation = [
+            ShardWriter(directory, i, dtype, "validation") for i in range(validation_shards)
+        ]
         self.documents = 0
         self.cut_to_documents = options.shards is None and options.shard_tokens is None
 
@@ -91,6 +97,15 @@ class ShardSink:
         writer.add(doc)
         self.documents += 1
 
+    def add_validation(self, doc: EncodedDocument, shard: int) -> None:
+        """A document of the ``shard``-th validation input."""
+        self.validation[shard].add(doc)
+
+    @property
+    def training_shards(self) -> int:
+        """The training shards (after ``finish``: those that hold documents)."""
+        return len(self.writers)
+
     def finish(self) -> list[str]:
         """Close every shard, give it its final name; return the content digests by shard."""
         if self.cut_to_documents and 0 < self.documents < len(self.writers):
@@ -101,15 +116,17 @@ class ShardSink:
             raise BuildError(
                 f"only {self.documents} documents kept, fewer than the {len(self.writers)} shards"
             )
-        total = len(self.writers)
-        for slot, writer in enumerate(self.writers):
+        every = self.writers + self.validation
+        for slot, writer in enumerate(every):
             writer.close()
             for kind, array_writer in zip(KINDS, writer.files, strict=True):
-                os.replace(array_writer.path, self.directory / shard_file_name(slot, total, kind))
-        return [w.digest.hexdigest() for w in self.writers]
+                os.replace(
+                    array_writer.path, self.directory / shard_file_name(slot, len(every), kind)
+                )
+        return [w.digest.hexdigest() for w in every]
 
     def abort(self) -> None:
-        for writer in self.writers:
+        for writer in self.writers + self.validation:
             writer.abort()
 
 

@@ -124,6 +124,7 @@ class Rejected:
     reason: str
     message: str  # "<file>:<line>: <what is wrong>"
     tokens: int = 0  # message_too_long, hard_continuation: the longest such message's length
+    target_tokens: int = 0  # a document the plan cannot use: the assistant targets it held
 
 
 class _Reject(Exception):
