@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from nedolm.data.contract import read_validation_sources
 from nedolm.dist import all_rank_call, gather_object, main_rank_call, sum_all, sync_control_flags
 from nedolm.train.async_save import BackgroundWrite, StagedCopies
 from nedolm.train.checkpoint import (
@@ -198,6 +199,7 @@ class Trainer:
             batches=run.cfg.validation.batches,
             eos_id=run.eos_id,
             options=run.settings.loss,
+            sources=read_validation_sources(run.cfg.data_dir),
         )
         record = {
             "step": step,
@@ -207,6 +209,9 @@ class Trainer:
             "val_assistant_tokens": result.targets,
             "val_context_tokens": result.context_tokens,
         }
+        if result.loss_by_source:  # a corpus with validation inputs (prepare --val-input)
+            record["val_loss_by_source"] = result.loss_by_source
+            record["val_assistant_tokens_by_source"] = result.targets_by_source
 
         def write() -> None:
             assert self.writer is not None

@@ -1,0 +1,68 @@
+"""Validation per source (a corpus built with validation inputs): each input's loss and target
+count over a pass equal those of a plain pass over that input's shard alone, and the overall
+figures are their target-weighted whole (in-process, real corpus and model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nedolm.data.builder import BuildOptions, build_corpus
+from nedolm.data.contract import read_validation_sources
+from nedolm.data.format import read_special_tokens
+from nedolm.data.loader import build_sft_loader
+from nedolm.data.packing import discover_sft_shards
+from nedolm.dist import DistInfo
+from nedolm.model import build_model, preset
+from nedolm.train.step import LossOptions
+from nedolm.train.validation import run_validation
+
+FIXTURES = Path(__file__).resolve().parents[2] / "nedolm-data" / "tests" / "fixtures"
+CPU = DistInfo(0, 1, 0, torch.device("cpu"))
+FUSED = LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=False)
+SEQ_LEN = 256
+TINY = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    chat = FIXTURES / "tr_chat"
+    out = tmp_path_factory.mktemp("val-inputs") / "data"
+    build_corpus(
+        [chat / "nutuk_qa.jsonl", chat / "truthfulqa_tr.jsonl"],
+        FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz",
+        out,
+        BuildOptions(seq_len=SEQ_LEN, shards=2),
+        val_inputs=[chat / "tquad_enelpi_train.jsonl", chat / "seed_tasks_tr.jsonl"],
+    )
+    return out
+
+
+def test_each_source_validates_as_its_shard_alone(corpus: Path) -> None:
+    sources = read_validation_sources(corpus)
+    assert sources == {2: "tquad_enelpi_train.jsonl", 3: "seed_tasks_tr.jsonl"}
+    special = read_special_tokens(corpus)
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", **{**TINY, "vocab_size": special.vocab_size}))
+    shards = {s.shard_id: s for s in discover_sft_shards(corpus, SEQ_LEN)}
+
+    def validate(ids: list[int], **kwargs: object):
+        planned = [shards[i] for i in ids]
+        loader, _ = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=1, shards=planned, seed=5)
+        windows = sum(s.plan.counts.windows for s in planned)  # each window exactly once
+        return run_validation(
+            model, loader, CPU, batches=windows, eos_id=special.eos_id, options=FUSED, **kwargs
+        )
+
+    both = validate([2, 3], sources=sources)
+    for shard, name in sources.items():
+        alone = validate([shard])
+        assert both.targets_by_source[name] == alone.targets
+        assert alone.targets == shards[shard].plan.counts.assistant_target_tokens
+        assert both.loss_by_source[name] == pytest.approx(alone.loss, rel=1e-6)
+    assert both.targets == sum(both.targets_by_source.values())
+    weighted = sum(both.loss_by_source[n] * both.targets_by_source[n] for n in sources.values())
+    assert both.loss == pytest.approx(weighted / both.targets, rel=1e-9)
+    assert validate([2, 3]).loss_by_source == {}  # no sources given: the overall figures only
