@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from nedolm.train.metrics import METRICS_FILE, MetricsError, read_metrics, split_metrics
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 def plot_run(run_dir: Path, out: Path) -> Path:
     """Draw the run's curves into ``out`` (written atomically) and return it."""
+    import matplotlib.pyplot as plt
+
+    fig = draw_curves(run_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    tmp.replace(out)
+    return out
+
+
+def draw_curves(run_dir: Path) -> Figure:
+    """The run's curves as a figure titled by the run directory's name (an absolute path
+    would leak the user's file system into a picture meant to be shared)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,6 +57,9 @@ def plot_run(run_dir: Path, out: Path) -> Path:
             marker="o",
             label="validation loss",
         )
+    for source, points in _by_source(validation).items():
+        steps, losses = zip(*points, strict=True)
+        loss_ax.plot(steps, losses, marker=".", linestyle="--", label=f"validation: {source}")
     loss_ax.set(title="assistant-token loss", xlabel="step", ylabel="nats / target")
     loss_ax.legend()
     lr_ax.plot([r["step"] for r in train], [r.get("lr", 0.0) for r in train], color="tab:green")
@@ -49,15 +70,18 @@ def plot_run(run_dir: Path, out: Path) -> Path:
     speed_ax.set(title="throughput", xlabel="step", ylabel="context tokens / s")
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle(f"NedoLM SFT — {run_dir}")
+    fig.suptitle(f"NedoLM SFT — {run_dir.resolve().name}")
     fig.tight_layout()
+    return fig
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+
+def _by_source(validation: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """(step, loss) per validation source of the records that carry ``val_loss_by_source``."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for record in validation:
+        for source, loss in record.get("val_loss_by_source", {}).items():
+            curves.setdefault(source, []).append((record["step"], loss))
+    return dict(sorted(curves.items()))
 
 
 @click.command()
