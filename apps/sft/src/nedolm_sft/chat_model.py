@@ -34,9 +34,9 @@ from nedolm.data.tokenizer import (
 from nedolm.model import ModelConfig, MorphTransformer, build_model, export_hf, generate, load_hf
 from nedolm.train.base import BASE_CONFIG_FILE, model_config, resolve_base_checkpoint
 from nedolm.train.base_weights import load_base_state
-from nedolm.train.checkpoint import latest_checkpoint
+from nedolm.train.checkpoint import newest_model_checkpoint
 from nedolm.train.config import load_run_config
-from nedolm.train.state import load_model_weights, read_checkpoint
+from nedolm.train.state import load_model_weights
 
 EXPORT_SIDECAR = "nedolm"
 """Export subdirectory with the corpus specials and the original tokenizer file."""
@@ -141,13 +141,14 @@ def load_chat_model(path: Path, data_dir: Path | None = None) -> ChatModel:
 
 
 def _load_run(run_dir: Path) -> ChatModel:
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
+    # Only the model tensors are read (mapped) and verified, never the optimizer state.
+    newest = newest_model_checkpoint(run_dir)
+    if newest is None:
         raise click.ClickException(
             f"{run_dir} holds no checkpoint yet: train first (nedolm-sft run CONFIG) or point "
             "at an export directory"
         )
-    payload = read_checkpoint(checkpoint)  # a file, or a sharded (FSDP) directory
+    checkpoint, payload = newest  # a file, or a sharded (FSDP) directory's payload
     if "sft_config" not in payload:
         raise click.ClickException(f"{checkpoint} is not an SFT checkpoint (no sft_config)")
     sft = payload["sft_config"]

@@ -15,16 +15,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from nedolm.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from nedolm.train.checkpoint import CheckpointError, newest_model_checkpoint, read_model_checkpoint
 
 SAFETENSORS_WEIGHTS = "model.safetensors"
 
 
 def base_weights_file(base_run_dir: Path) -> Path | None:
     """The newest ``checkpoints/step-*.pt`` of ``base_run_dir``, else its ``model.safetensors``."""
-    checkpoint = latest_checkpoint(base_run_dir)
-    if checkpoint is not None:
-        return checkpoint
+    newest = newest_model_checkpoint(base_run_dir)  # only its model is read and verified
+    if newest is not None:
+        return newest[0]
     weights = Path(base_run_dir) / SAFETENSORS_WEIGHTS
     return weights if weights.is_file() else None
 
@@ -36,7 +36,7 @@ def load_base_state(path: Path) -> dict[str, torch.Tensor]:
         CheckpointError: the file cannot be read; the message names it.
     """
     if Path(path).suffix != ".safetensors":
-        return load_checkpoint(path)["model"]
+        return read_model_checkpoint(path)["model"]  # mapped; the caller copies it out
     try:
         return load_file(path)
     except (OSError, SafetensorError) as exc:

@@ -22,6 +22,13 @@ validate is skipped with a warning naming it and why, and the newest valid one i
 none valid the run refuses, listing each file and its reason. A checkpoint that carries no
 digest at all (no sidecar, none inside: written before digests existed) cannot be verified, and
 counts as invalid for a resume unless the user trusts it (``--trust-unverified``).
+Since ``MODEL_DIGEST`` exists a checkpoint also carries the digest of its model tensors alone,
+so that a reader of the weights (``read_model_checkpoint``: generate, chat, export, a base for
+SFT) maps the file and reads and hashes only the model, never the optimizer state; a file
+without it (an earlier version's) is verified whole, as before.
+
+A resume (``load_checkpoint(mmap=False)``) reads the file into memory it owns: nothing of a
+loaded checkpoint stays mapped, so rotation deleting it frees its space at once.
 Rotation never deletes the newest valid checkpoint. A save that fails for lack of space (or an
 I/O error) leaves the previous checkpoints as they were and says how much space it needed.
 """
@@ -34,22 +41,34 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from nedolm.data.atomic import atomic_write, atomic_write_bytes, is_temporary
-from nedolm.train.checksum import DigestWriter, checksum_mismatch, checksum_path, has_digest
+from nedolm.dist import get_rank
+from nedolm.train.checksum import (
+    DigestWriter,
+    checksum_mismatch,
+    checksum_path,
+    has_digest,
+    tensors_sha256,
+)
+from nedolm.train.faults import maybe_inject
 from nedolm.train.run_lock import holds_run_lock
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHECKPOINT_DIR = "checkpoints"
 ARCHIVE_DIR = "archives"
 METADATA_FILE = "run_metadata.json"
 _CHECKPOINT_NAME = re.compile(r"^step-(\d{8})(\.pt)?$")  # a file, or a sharded directory
 _SPACE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+MODEL_DIGEST = "model_sha256"
+"""Payload key of ``tensors_sha256(payload["model"])``, added by ``save_checkpoint``."""
 
 
 class CheckpointError(RuntimeError):
@@ -99,15 +118,29 @@ def latest_checkpoint(run_dir: Path, *, require_digest: bool = False) -> Path | 
         CheckpointError: checkpoints exist but none is valid; the message lists every file
             and its reason.
     """
+    found = _newest_valid(run_dir, lambda path: _validate(path, require_digest=require_digest))
+    return None if found is None else found[0]
+
+
+def newest_model_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint whose model reads and verifies, and its ``read_model_checkpoint``
+    content; None without checkpoints. Skips and raises like ``latest_checkpoint``, but reads
+    only the model tensors of each file (a sharded directory is verified whole)."""
+    return _newest_valid(run_dir, read_model_checkpoint)
+
+
+def _newest_valid(run_dir: Path, read: Callable[[Path], T]) -> tuple[Path, T] | None:
+    """The newest checkpoint that ``read`` accepts (raising CheckpointError otherwise), with what
+    ``read`` returned; the ones skipped are logged, and listed when none is accepted."""
     rejected = []
     for _, path in reversed(list_checkpoints(run_dir)):
         try:
-            _validate(path, require_digest=require_digest)
+            content = read(path)
         except CheckpointError as exc:
             log.warning("skipping checkpoint: %s; trying the previous one", exc)
             rejected.append(str(exc))
             continue
-        return path
+        return path, content
     if rejected:
         raise CheckpointError(
             f"no valid checkpoint in {Path(run_dir) / CHECKPOINT_DIR}: " + " | ".join(rejected)
@@ -245,9 +278,12 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     path = checkpoint_path(run_dir, step)
     remove_stale_temporaries(run_dir)
+    if isinstance(payload.get("model"), dict):
+        payload = {**payload, MODEL_DIGEST: tensors_sha256(payload["model"])}
 
     def write(handle: Any) -> None:
         digest = _save_signed(payload, handle)
+        maybe_inject("checkpoint_commit", get_rank())  # written, not yet durable nor renamed
         atomic_write_bytes(checksum_path(path), f"{digest}\n".encode())
 
     try:
@@ -277,17 +313,57 @@ def _save_signed(payload: dict[str, Any], handle: Any) -> str:
     return signed.finish()
 
 
-def load_checkpoint(path: Path, *, verify: bool = True) -> dict[str, Any]:
-    """Read a checkpoint or archive on CPU (memory-mapped), refusing corrupt or unreadable files.
+def load_checkpoint(path: Path, *, verify: bool = True, mmap: bool = True) -> dict[str, Any]:
+    """Read a checkpoint or archive on CPU, refusing corrupt or unreadable files.
 
     ``verify=False`` skips the checksum, a full read of the file: only for a file that
-    ``latest_checkpoint`` has just verified.
+    ``latest_checkpoint`` has just verified. ``mmap=True`` maps the file: cheap for a look,
+    but its tensors are views of the file for as long as any of them lives (the mapping keeps
+    a rotated-away file's space); ``mmap=False`` reads it into owned memory, for state that
+    lives on (a resume's optimizer state).
     """
     mismatch = checksum_mismatch(path) if verify else None
     if mismatch is not None:
         raise CheckpointError(f"{path} is corrupt: {mismatch}")
+    return _torch_load(path, mmap=mmap)
+
+
+def read_model_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint or archive, memory-mapped, with its model tensors verified: only their pages
+    are read (the optimizer state stays unread on disk). A file without ``MODEL_DIGEST`` (an
+    earlier version's) is verified whole. Copy the weights out (``load_state_dict``) and drop
+    the dict: nothing stays mapped then.
+
+    Raises:
+        CheckpointError: unreadable, not a checkpoint, or the model (or file) digest differs.
+    """
+    if Path(path).is_dir():
+        _validate(path)
+        from nedolm.train.sharded import read_payload
+
+        return read_payload(path)
+    state = _torch_load(path, mmap=True)
+    expected = state.get(MODEL_DIGEST)
+    if expected is None:
+        mismatch = checksum_mismatch(path)
+    else:
+        actual = tensors_sha256(state["model"])
+        mismatch = (
+            None
+            if actual == expected
+            else (
+                f"model tensors sha256 {actual[:16]}... do not match the digest inside it "
+                f"({str(expected)[:16]}...)"
+            )
+        )
+    if mismatch is not None:
+        raise CheckpointError(f"{path} is corrupt: {mismatch}")
+    return state
+
+
+def _torch_load(path: Path, *, mmap: bool) -> dict[str, Any]:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:
         raise CheckpointError(
             f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}"

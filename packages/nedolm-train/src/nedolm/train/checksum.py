@@ -17,6 +17,11 @@ unless asked to (``nedolm.train.checkpoint``).
 
 A sharded checkpoint directory lists the digest of each of its files in its manifest, which is
 written last (``nedolm.train.sharded``): ``file_digests`` and ``digest_mismatch``.
+
+A reader that needs only the weights (generate, chat, export, a base for SFT) should not read
+and hash a whole training checkpoint, two thirds of which is AdamW state: ``tensors_sha256``
+digests the model tensors alone, stored inside the checkpoint beside them (written since the
+model digest existed; older files are checked whole).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import os
 import struct
 from pathlib import Path
 from typing import IO
+
+import torch
 
 SUFFIX = ".sha256"
 _CHUNK = 16 * 2**20
@@ -171,3 +178,19 @@ def digest_mismatch(directory: Path, expected: dict[str, str]) -> str | None:
         if actual != digest:
             return f"{name}: sha256 {actual[:16]}... does not match the manifest ({digest[:16]}...)"
     return None
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """Hex SHA-256 of a state dict: each tensor's name, dtype, shape and bytes, by name.
+
+    Reads only these tensors' bytes (of a memory-mapped file: only their pages).
+    """
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()

@@ -9,7 +9,9 @@ nothing in production runs:
   can deliver a signal while the job is inside that phase.
 
 Phases: ``compile_warmup``, ``data_fetch``, ``validation``, ``checkpoint_write`` (before a save
-writes anything) and ``sharded_finish`` (inside a sharded save: every shard is on disk in the
+writes anything), ``checkpoint_commit`` (a checkpoint file is written under its temporary name,
+not yet fsynced nor renamed: under ``train.async_checkpoint`` on the background writer, while
+training goes on) and ``sharded_finish`` (inside a sharded save: every shard is on disk in the
 temporary directory, the manifest not yet).
 """
 
@@ -18,7 +20,14 @@ from __future__ import annotations
 import os
 import time
 
-PHASES = ("compile_warmup", "data_fetch", "validation", "checkpoint_write", "sharded_finish")
+PHASES = (
+    "compile_warmup",
+    "data_fetch",
+    "validation",
+    "checkpoint_write",
+    "checkpoint_commit",
+    "sharded_finish",
+)
 
 
 class InjectedFault(RuntimeError):

@@ -164,10 +164,13 @@ def optimizer_state_by_name(
 def read_checkpoint(path: Path, *, verify: bool = True) -> dict[str, Any]:
     """A training checkpoint in the current format: a ``.pt`` file's whole content, or a
     sharded directory's payload (its model and optimizer load with ``load_sharded``).
-    ``verify`` as in ``load_checkpoint``."""
+    ``verify`` as in ``load_checkpoint``.
+
+    Read into memory of its own, not mapped: the optimizer state loaded from it lives as long
+    as the job, and a mapping would keep the file's space after rotation deletes it."""
     if Path(path).is_dir():
         return read_payload(path)
-    return upgrade_checkpoint(load_checkpoint(path, verify=verify), str(path))
+    return upgrade_checkpoint(load_checkpoint(path, verify=verify, mmap=False), str(path))
 
 
 def load_model_weights(path: Path, checkpoint: dict[str, Any], model: nn.Module) -> None:
