@@ -1,0 +1,129 @@
+"""Asynchronous checkpoints (``train.async_checkpoint``): stage the state to CPU memory, train
+on, write it on a background thread.
+
+Writing a multi-GB checkpoint (serialise, hash, fsync) stalls training for as long as it takes;
+copying the state to CPU memory takes a fraction of that (torchtitan's ``async_with_pinned_mem``,
+Megatron's ``--async-save`` work the same way). ``StagedCopies`` makes the copy: every tensor
+into a CPU buffer of its own storage (pinned when the source is on CUDA), kept and reused by the
+next checkpoint, so a save allocates nothing after the first. The copy is a real one on CPU too:
+the optimizer updates parameters in place while the write goes on.
+
+``BackgroundWrite`` runs one write at a time on a daemon thread and keeps its failure for the
+caller's next look (the loop turns it into an error on every rank at the next control point). A
+process killed mid-write leaves what a killed synchronous save leaves: a temporary file and the
+previous checkpoints intact (the write uses the same protocol, ``save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_StorageKey = tuple[torch.device, int, int]
+
+
+class StagedCopies:
+    """CPU copies of a nested state (dicts, lists, tuples of tensors and plain values).
+
+    Tensors sharing a storage (tied weights) share one copy, so the written file is the one a
+    synchronous save writes. Buffers are reused by the next ``stage`` call: call it only when
+    the previous staged state is no longer being written.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[_StorageKey, torch.UntypedStorage] = {}
+
+    def stage(self, state: Any) -> Any:
+        """A copy of ``state`` whose tensors live in CPU memory owned by this object."""
+        used: dict[_StorageKey, torch.UntypedStorage] = {}
+        staged = self._copy(state, used)
+        if any(key[0].type == "cuda" for key in used):
+            torch.cuda.synchronize()  # the copies into pinned memory were asynchronous
+        self._buffers = used  # buffers of tensors gone since the last stage are freed
+        return staged
+
+    def _copy(self, value: Any, used: dict[_StorageKey, torch.UntypedStorage]) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._copy_tensor(value, used)
+        if isinstance(value, dict):
+            return {key: self._copy(item, used) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(item, used) for item in value)
+        return value  # str, int, float, bool, None: immutable
+
+    def _copy_tensor(
+        self, tensor: torch.Tensor, used: dict[_StorageKey, torch.UntypedStorage]
+    ) -> torch.Tensor:
+        source = tensor.untyped_storage()
+        key = (tensor.device, source.data_ptr(), source.nbytes())
+        target = used.get(key)
+        if target is None:
+            target = self._buffers.get(key)
+            if target is None:
+                pinned = tensor.device.type == "cuda"
+                target = torch.empty(
+                    source.nbytes(), dtype=torch.uint8, pin_memory=pinned
+                ).untyped_storage()
+            target.copy_(source, non_blocking=tensor.device.type == "cuda")
+            used[key] = target
+        view = torch.empty(0, dtype=tensor.dtype)
+        return view.set_(target, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
+class BackgroundWrite:
+    """At most one write in flight on a daemon thread; its failure waits for ``collect``.
+
+    Daemon: a job that fails or aborts does not hang on a write it no longer waits for (that
+    write is then lost like one cut by ``kill -9``: the previous checkpoint stays).
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._seconds = 0.0
+
+    def submit(self, name: str, write: Callable[[], object]) -> None:
+        """Start ``write()`` in the background.
+
+        Raises:
+            RuntimeError: a previous write has not been collected.
+        """
+        if self._thread is not None:
+            raise RuntimeError("a background write is still in flight: collect it first")
+        self._error = None
+
+        def run() -> None:
+            started = time.monotonic()
+            try:
+                write()
+            except BaseException as exc:  # handed to the caller by collect()
+                self._error = exc
+            finally:
+                self._seconds = time.monotonic() - started
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> bool:
+        """A write was submitted and not yet collected (it may have finished)."""
+        return self._thread is not None
+
+    def finished(self) -> bool:
+        """No write, or the submitted one has returned or failed."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def collect(self) -> float:
+        """Wait for the write; returns its duration in seconds, or raises its error."""
+        if self._thread is None:
+            raise RuntimeError("no background write to collect")
+        self._thread.join()
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self._seconds
