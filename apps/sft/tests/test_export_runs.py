@@ -133,7 +133,7 @@ def test_morph_export_loads_in_transformers_with_our_logits(morph_run, morph_exp
     names = {p.name for p in morph_export.iterdir()}
     assert {"configuration_nedolm.py", "modeling_nedolm.py", "tokenizer.json"} <= names
     config = json.loads((morph_export / "config.json").read_text())
-    assert config["model_type"] == "nedolm" and config["num_morph_classes"] == 3
+    assert config["architectures"] == ["NedoLMForCausalLM"] and config["num_morph_classes"] == 3
     ours = load_chat_model(morph_run).model
     theirs = remote(morph_export)
     ids = random_ids(ours.cfg.vocab_size, (2, 64))

@@ -34,7 +34,8 @@ def test_load_hf_round_trips_exactly(make_model, tmp_path, morph: bool) -> None:
     with torch.no_grad():
         assert torch.equal(loaded(input_ids)[1], model(input_ids)[1])
     if morph:
-        assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "nedolm"
+        config = json.loads((tmp_path / "config.json").read_text())
+        assert config["architectures"] == ["NedoLMForCausalLM"]
         assert torch.equal(loaded.morph_classes, model.morph_classes)
 
 

@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 from nedolm.model import ExportFormatError, HFImportError, export_hf, generate, load_hf
+from nedolm.model.hf import TokenIds
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -46,7 +47,7 @@ def test_morph_export_loads_in_transformers_with_our_logits(make_model, tmp_path
         "modeling_nedolm.py",
     ]
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["model_type"] == "nedolm"
+    assert config["model_type"] == "llama"  # transformers reads it without remote code
     assert config["architectures"] == ["NedoLMForCausalLM"]
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
     assert AutoConfig.from_pretrained(tmp_path, trust_remote_code=True).num_morph_classes == 3
@@ -183,3 +184,39 @@ def test_load_hf_refuses_morph_classes_out_of_range(make_model, tmp_path) -> Non
         HFImportError, match=r"model\.safetensors: tensor 'model\.morph_classes' must hold integer"
     ):
         load_hf(tmp_path)
+
+
+def test_a_morph_export_refuses_to_load_as_a_plain_llama(make_model, tmp_path) -> None:
+    """Without trust_remote_code transformers would build a Llama, the experts dropped: it fails
+    instead, naming the way to load it; its config (all a tokenizer needs) reads as Llama's."""
+    export_hf(make_model(seed=20), tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "llama"
+    for loader in (AutoModelForCausalLM, LlamaForCausalLM):
+        with pytest.raises(KeyError, match="trust_remote_code=True"):
+            loader.from_pretrained(tmp_path)
+
+
+def test_load_hf_reads_a_morph_export_of_model_type_nedolm(make_model, tmp_path) -> None:
+    """Morph exports written before they took model_type llama load as they did."""
+    model = make_model(seed=21).eval()
+    export_hf(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["hidden_act"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "nedolm"}))
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 20))
+    with torch.no_grad():
+        assert torch.equal(load_hf(tmp_path).eval()(ids)[1], model(ids)[1])
+
+
+@pytest.mark.parametrize("morph", [True, False])
+def test_config_json_carries_the_token_ids(make_model, tmp_path, morph: bool) -> None:
+    dense = dict(n_morph_classes=0, morph_expert_dim=0)
+    model = make_model(seed=22, **({} if morph else dense))
+    export_hf(model, tmp_path / "with", token_ids=TokenIds(eos=2, pad=202, bos=1))
+    export_hf(model, tmp_path / "without")
+    keys = ("eos_token_id", "bos_token_id", "pad_token_id")
+    for name, want in (("with", (2, 1, 202)), ("without", (None, None, None))):
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert tuple(config[k] for k in keys) == want, name
+        loaded = AutoConfig.from_pretrained(tmp_path / name, trust_remote_code=morph)
+        assert tuple(getattr(loaded, k) for k in keys) == want, name

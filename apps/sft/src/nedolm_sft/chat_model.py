@@ -32,6 +32,7 @@ from nedolm.data.tokenizer import (
     registered_special_tokens,
 )
 from nedolm.model import ModelConfig, MorphTransformer, build_model, export_hf, generate, load_hf
+from nedolm.model.hf import TokenIds
 from nedolm.train.base import BASE_CONFIG_FILE, model_config, resolve_base_checkpoint
 from nedolm.train.base_weights import load_base_state
 from nedolm.train.checkpoint import newest_model_checkpoint
@@ -198,7 +199,9 @@ def _load_export(export_dir: Path) -> ChatModel:
 def export_bundle(chat: ChatModel, out_dir: Path, *, dtype: torch.dtype | None = None) -> Path:
     """Write weights (HF Llama format when dense, NedoLM with its transformers loader code when
     morph), tokenizer files and a chat template."""
-    export_hf(chat.model, out_dir, dtype=dtype)
+    # No BOS: the model was trained without one, so the exported tokenizer names none either.
+    ids = TokenIds(eos=chat.specials.eos_id, pad=chat.specials.pad_id)
+    export_hf(chat.model, out_dir, dtype=dtype, token_ids=ids)
     sidecar = out_dir / EXPORT_SIDECAR
     sidecar.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(chat.tokenizer.path, sidecar / chat.tokenizer.name)

@@ -4,12 +4,16 @@ A dense model (`n_morph_classes == 0`) is written in Hugging Face Llama format (
 `model.safetensors`, tied or untied as the model is, llama3 rope scaling kept), so
 `transformers.LlamaForCausalLM.from_pretrained(out_dir)` gives the same logits. Only the logical
 vocabulary rows are exported, so HF sees `vocab_size` exactly. Llama has no morph experts, so a
-morph model is written as `model_type: nedolm` with Llama's tensor names plus its morph tensors
-(the class buffer included) and its loader code (`configuration_nedolm.py`, `modeling_nedolm.py`
-from `nedolm.model.hf_remote`, named in `auto_map`):
+morph model is written as `architectures: [NedoLMForCausalLM]` with Llama's tensor names plus its
+morph tensors (the class buffer included) and its loader code (`configuration_nedolm.py`,
+`modeling_nedolm.py` from `nedolm.model.hf_remote`, named in `auto_map`):
 `AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)` gives the same logits.
-`load_hf` reads both, and the `nedolm_morph` format that morph exports used before.
-Tokenizer files are the caller's.
+Its `model_type` is `llama` all the same: transformers 5 reads config.json in every
+`AutoTokenizer.from_pretrained`, and an unknown model_type there means a trust_remote_code prompt
+and a model-type warning for loading a tokenizer; a `hidden_act` only the NedoLM code accepts
+keeps a plain Llama from loading the weights without their experts (see `MORPH_HIDDEN_ACT`).
+`load_hf` reads both, and the `nedolm` and `nedolm_morph` formats morph exports used before.
+Tokenizer files are the caller's; `token_ids` puts the tokenizer's ids into config.json.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.resources import as_file, files
 from pathlib import Path
 
@@ -28,7 +33,9 @@ from nedolm.model.config import ModelConfig, ModelConfigError
 from nedolm.model.hf_import import (
     CONFIG_NAME,
     MORPH_CLASSES,
-    NEDOLM_MODEL_TYPE,
+    MORPH_HIDDEN_ACT,
+    MORPH_MODEL_TYPE,
+    NEDOLM_ARCHITECTURE,
     WEIGHTS_NAME,
     HFImportError,
     import_hf,
@@ -44,8 +51,22 @@ class ExportFormatError(HFImportError):
     """An export directory is missing a file, or holds a config or weights we cannot read."""
 
 
+@dataclass(frozen=True)
+class TokenIds:
+    """The ids of the tokenizer shipped beside an export, as config.json names them
+    (`eos_token_id`, `bos_token_id`, `pad_token_id`): generation and collators read them there."""
+
+    eos: int
+    pad: int
+    bos: int | None = None
+
+
 def export_hf(
-    model: MorphTransformer, out_dir: str | Path, *, dtype: torch.dtype | None = None
+    model: MorphTransformer,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    token_ids: TokenIds | None = None,
 ) -> Path:
     """Write `model` to `out_dir` (created if needed); each file appears atomically.
 
@@ -53,12 +74,14 @@ def export_hf(
         model: the (uncompiled) model.
         out_dir: target directory; existing files of other names are left alone.
         dtype: cast the weights (e.g. torch.bfloat16); default keeps the model's dtype.
+        token_ids: the ids of the tokenizer written beside it; without, config.json names none.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     state = to_llama_state({k: v.detach() for k, v in model.state_dict().items()}, cfg)
     config = _nedolm_config(cfg) if cfg.n_morph_classes else _llama_config(cfg)
+    config.update(_token_fields(token_ids))
     if dtype is not None:
         state = {k: v if k == MORPH_CLASSES else v.to(dtype) for k, v in state.items()}
     state = {k: v.contiguous().cpu() for k, v in state.items()}
@@ -123,8 +146,9 @@ def _llama_config(cfg: ModelConfig) -> dict[str, object]:
 def _nedolm_config(cfg: ModelConfig) -> dict[str, object]:
     return {
         **_hf_fields(cfg),
-        "architectures": ["NedoLMForCausalLM"],
-        "model_type": NEDOLM_MODEL_TYPE,
+        "architectures": [NEDOLM_ARCHITECTURE],
+        "model_type": MORPH_MODEL_TYPE,
+        "hidden_act": MORPH_HIDDEN_ACT,
         "auto_map": {
             "AutoConfig": "configuration_nedolm.NedoLMConfig",
             "AutoModelForCausalLM": "modeling_nedolm.NedoLMForCausalLM",
@@ -150,10 +174,14 @@ def _hf_fields(cfg: ModelConfig) -> dict[str, object]:
         | (cfg.rope_scaling or {}),
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": None,  # token ids belong to the tokenizer the app ships alongside
-        "eos_token_id": None,
-        "pad_token_id": None,
     }
+
+
+def _token_fields(ids: TokenIds | None) -> dict[str, int | None]:
+    """config.json's token ids: the shipped tokenizer's, or none when no tokenizer goes along."""
+    if ids is None:
+        return {"eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+    return {"eos_token_id": ids.eos, "bos_token_id": ids.bos, "pad_token_id": ids.pad}
 
 
 def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:

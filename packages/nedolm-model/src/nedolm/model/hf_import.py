@@ -8,8 +8,9 @@ activations other than SiLU, ...) is refused with one line naming the config fie
 value, rather than imported into a model that would compute something else. Names, shapes and
 the set of tensors are checked against the config before any weight is read. The mapping
 between Llama tensor names and ours lives here and is shared with `nedolm.model.hf` (export).
-A NedoLM morph export (`model_type: nedolm`) uses the same names plus its morph tensors
-(`model.morph_classes`, `model.layers.N.morph.{gate,up,down}_proj.weight`).
+A NedoLM morph export (`architectures: [NedoLMForCausalLM]`; `model_type` is `llama`, or
+`nedolm` in older exports) uses the same names plus its morph tensors (`model.morph_classes`,
+`model.layers.N.morph.{gate,up,down}_proj.weight`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,21 @@ from nedolm.model.model import MorphTransformer, build_model
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-NEDOLM_MODEL_TYPE = "nedolm"
+NEDOLM_MODEL_TYPE = "nedolm"  # what morph exports were written as before MORPH_MODEL_TYPE
+NEDOLM_ARCHITECTURE = "NedoLMForCausalLM"
+MORPH_MODEL_TYPE = "llama"
+"""A morph export's model_type: one transformers knows, so that reading its config (as
+`AutoTokenizer.from_pretrained` always does) asks for no remote code; its architecture and
+`auto_map` still name the NedoLM classes."""
+MORPH_HIDDEN_ACT = "silu with NedoLM morph experts: load with trust_remote_code=True"
+"""A morph export's hidden_act: Llama's MLP looks it up and fails with this message, so a Llama
+never loads a morph export without its experts; the NedoLM loader code does not read it."""
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
-    "NedoLMForCausalLM": NEDOLM_MODEL_TYPE,
+    NEDOLM_ARCHITECTURE: NEDOLM_MODEL_TYPE,
 }
+MODEL_TYPES = ("llama", "mistral", NEDOLM_MODEL_TYPE)
 # Config fields that must hold exactly this value (a missing field means the same in
 # transformers): anything else changes the function the checkpoint computes.
 _REQUIRED_VALUES: dict[str, object] = {
@@ -94,9 +104,9 @@ class _Unsupported(ValueError):
 
 def _model_fields(config: dict[str, Any]) -> dict[str, Any]:
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES.values():
+    if model_type not in MODEL_TYPES:
         raise _Unsupported(
-            f"unsupported model_type {model_type!r} (supported: llama, mistral, nedolm)"
+            f"unsupported model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
         )
     architectures = config.get("architectures") or [
         name for name, kind in ARCHITECTURES.items() if kind == model_type
@@ -105,7 +115,10 @@ def _model_fields(config: dict[str, Any]) -> dict[str, Any]:
         raise _Unsupported(
             f"unsupported architectures {architectures!r} (supported: {sorted(ARCHITECTURES)})"
         )
-    for field, wanted in _REQUIRED_VALUES.items():
+    required = dict(_REQUIRED_VALUES)
+    if architectures[0] == NEDOLM_ARCHITECTURE and config.get("hidden_act") == MORPH_HIDDEN_ACT:
+        del required["hidden_act"]
+    for field, wanted in required.items():
         value = config.get(field, wanted)
         if value != wanted:
             raise _Unsupported(f"unsupported {field} {value!r} (NedoLM needs {wanted!r})")

@@ -1,9 +1,11 @@
-"""NedoLM model configuration for transformers (``model_type: nedolm``).
+"""NedoLM model configuration for transformers (``architectures: [NedoLMForCausalLM]``).
 
 Llama's field names, plus the morph experts: every block adds one SwiGLU expert of width
 ``morph_expert_size`` per morph class, chosen by the class of the token's input id. Rotary
 settings live in ``rope_parameters`` ({"rope_type": "default" or "llama3", "rope_theta", ...}),
-the one spelling transformers 4 leaves alone and transformers 5 understands.
+the one spelling transformers 4 leaves alone and transformers 5 understands. The model_type is
+``llama`` so that transformers reads config.json without remote code where it only needs the
+tokenizer; ``hidden_act`` (which Llama's MLP would look up) is not read here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from transformers import PretrainedConfig
 class NedoLMConfig(PretrainedConfig):
     """Architecture of a NedoLM MorphTransformer, as written by ``nedolm-sft export``."""
 
-    model_type = "nedolm"
+    model_type = "llama"  # config.json's; from_pretrained warns when the two differ
 
     def __init__(
         self,
