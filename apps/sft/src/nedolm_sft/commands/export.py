@@ -34,7 +34,8 @@ def export(run_dir: Path, out: Path, dtype: str, overwrite: bool, data_dir: Path
     transformers.LlamaForCausalLM.from_pretrained(OUT); a morph model is written with its own
     loader code and loads with
     transformers.AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True).
-    Either works with `nedolm-sft generate OUT`.
+    Either kind's tokenizer loads with transformers.AutoTokenizer.from_pretrained(OUT) (no
+    remote code), its ids named in config.json; either works with `nedolm-sft generate OUT`.
 
     \b
     Example:
