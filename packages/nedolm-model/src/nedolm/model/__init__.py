@@ -1,6 +1,7 @@
 """NedoLM MorphTransformer: packed varlen attention, morph routing, fused assistant-only loss."""
 
-from nedolm.model.attention import AttentionBackendError, attention_backends, resolve_attn_impl
+from nedolm.model.attention import AttentionBackendError, attention_backends
+from nedolm.model.attn_select import probe_backends, resolve_attn_impl
 from nedolm.model.config import ModelConfig, ModelConfigError, preset, preset_names
 from nedolm.model.extend import add_morph_experts, grow_vocab
 from nedolm.model.generate import KVCache, generate
@@ -33,6 +34,7 @@ __all__ = [
     "packed_layout",
     "preset",
     "preset_names",
+    "probe_backends",
     "read_hf_config",
     "resolve_attn_impl",
 ]

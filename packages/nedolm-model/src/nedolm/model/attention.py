@@ -1,11 +1,14 @@
-"""Causal attention over packed segments: the flash, torch_varlen and sdpa backends.
+"""Causal attention over packed segments: the flash, torch_varlen, flex and sdpa backends.
 
 Every backend attends only inside the segments given by `cu_seqlens`, so packed conversations
-never see each other. `sdpa` is the reference that runs anywhere; it batches segments of
-similar length into one `scaled_dot_product_attention` call each, padding a segment at its end.
-Causality makes that padding exact: a real query never attends a later (padded) key. Under
-torch.compile the same computation runs as the custom op `nedolm::sdpa_varlen`, so compiled
-graphs never depend on how rows were packed. Optional kernels are imported only here.
+never see each other. `flash`, `torch_varlen` and `flex` make one call per layer over the whole
+micro-batch (`flex` with a document block mask built once per forward, see `nedolm.model.flex`).
+`sdpa` is the reference that runs anywhere; it batches segments of similar length into one
+`scaled_dot_product_attention` call each, padding a segment at its end. Causality makes that
+padding exact: a real query never attends a later (padded) key. Under torch.compile the same
+computation runs as the custom op `nedolm::sdpa_varlen`, so compiled graphs never depend on how
+rows were packed. Which backend `auto` means is decided by `nedolm.model.attn_select`.
+Optional kernels are imported only here.
 """
 
 # Shape legend: T packed tokens, H query heads, G kv heads, K head dim, N segments,
@@ -13,6 +16,7 @@ graphs never depend on how rows were packed. Optional kernels are imported only 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from nedolm.model.flex import document_block_mask, flex_varlen
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -33,7 +40,7 @@ varlen_attn = None
 if HAS_TORCH_VARLEN and torch.cuda.is_available():
     from torch.nn.attention.varlen import varlen_attn
 
-BACKENDS = ("flash", "torch_varlen", "sdpa")
+BACKENDS = ("flash", "torch_varlen", "flex", "sdpa")  # auto's order of preference
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -42,9 +49,10 @@ class AttentionBackendError(RuntimeError):
 
 
 def attention_backends(device: torch.device | str | None = None) -> dict[str, str | None]:
-    """Each backend name mapped to None when it can run on `device`, else the reason it cannot.
+    """Each backend mapped to None when it is present for `device`, else the reason it is not.
 
-    `device` defaults to CUDA when present, else CPU.
+    Present is not proven: `nedolm.model.attn_select` probes a present backend before `auto`
+    picks it. `device` defaults to CUDA when present, else CPU.
     """
     device = torch.device(device if device is not None else _default_device())
     on_cuda = device.type == "cuda" and torch.cuda.is_available()
@@ -58,24 +66,7 @@ def attention_backends(device: torch.device | str | None = None) -> dict[str, st
         torch_varlen = f"torch.nn.attention.varlen is missing in torch {torch.__version__}"
     elif not on_cuda:
         torch_varlen = f"torch.nn.attention.varlen needs a CUDA device, got {device.type}"
-    return {"flash": flash, "torch_varlen": torch_varlen, "sdpa": None}
-
-
-def resolve_attn_impl(attn_impl: str, device: torch.device | str) -> str:
-    """Turn `auto` into the fastest backend available on `device`; refuse unavailable ones.
-
-    Raises:
-        AttentionBackendError: the named backend cannot run on `device`.
-    """
-    available = attention_backends(device)
-    if attn_impl == "auto":
-        return next(name for name in BACKENDS if available[name] is None)
-    if attn_impl not in available:
-        raise AttentionBackendError(f"unknown attn_impl {attn_impl!r}; choose one of {BACKENDS}")
-    reason = available[attn_impl]
-    if reason is not None:
-        raise AttentionBackendError(f"attn_impl={attn_impl!r} cannot run here: {reason}")
-    return attn_impl
+    return {"flash": flash, "torch_varlen": torch_varlen, "flex": None, "sdpa": None}
 
 
 def _default_device() -> str:
@@ -87,10 +78,11 @@ class VarlenLayout:
     """Everything a backend needs to isolate segments; built once per forward, shared by blocks.
 
     For eager `sdpa`, `groups` holds [n, P] token indices per padded length (or, when every
-    segment has the same length L, just the int L: a reshape instead of a gather) and `inverse` [T] maps each token to its row in the
-    concatenated group outputs (None when that is already token order). Under torch.compile
-    both stay empty and the `nedolm::sdpa_varlen` op plans inside itself, so compiled graphs
-    do not depend on how rows were packed (no recompiles from batch to batch).
+    segment has the same length L, just the int L: a reshape instead of a gather) and `inverse`
+    [T] maps each token to its row in the concatenated group outputs (None when that is already
+    token order). Under torch.compile both stay empty and the `nedolm::sdpa_varlen` op plans
+    inside itself, so compiled graphs do not depend on how rows were packed (no recompiles from
+    batch to batch). `flex` keeps its document block mask in `block_mask`.
     """
 
     impl: str
@@ -98,6 +90,7 @@ class VarlenLayout:
     max_seqlen: int
     groups: list[Tensor | int]
     inverse: Tensor | None
+    block_mask: BlockMask | None = None
 
 
 def build_layout(
@@ -110,6 +103,9 @@ def build_layout(
             [0, n_tokens) into non-empty segments.
     """
     cu_seqlens = cu_seqlens.to(torch.int32)
+    if impl == "flex":  # the mask needs no host read
+        mask = document_block_mask(cu_seqlens, n_tokens)
+        return VarlenLayout(impl, cu_seqlens, max_seqlen or 0, [], None, mask)
     if impl == "sdpa" and torch.compiler.is_compiling():
         return VarlenLayout(impl, cu_seqlens, max_seqlen or 0, [], None)
     if impl != "sdpa":
@@ -163,6 +159,10 @@ def varlen_attention(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, layout: Varlen
         if not layout.groups:  # planned inside the op (compiled graphs)
             return sdpa_varlen_op(q_THK, k_TGK, v_TGK, layout.cu_seqlens)
         return _sdpa_grouped(q_THK, k_TGK, v_TGK, layout.groups, layout.inverse)
+    if layout.impl == "flex":
+        if layout.block_mask is None:
+            raise AttentionBackendError("attn_impl='flex' needs the layout's block mask")
+        return flex_varlen(q_THK, k_TGK, v_TGK, layout.block_mask)
     if q_THK.dtype not in _HALF_DTYPES:
         raise AttentionBackendError(
             f"attn_impl={layout.impl!r} needs bf16/fp16 inputs (use autocast), got {q_THK.dtype}"
@@ -170,9 +170,29 @@ def varlen_attention(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, layout: Varlen
     cu, max_len = layout.cu_seqlens, layout.max_seqlen
     if layout.impl == "flash":
         return flash_attn_varlen_func(q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, causal=True)
-    return varlen_attn(
-        q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True
+    return _torch_varlen(q_THK, k_TGK, v_TGK, cu, max_len)
+
+
+def _torch_varlen(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu: Tensor, max_len: int) -> Tensor:
+    """Call `varlen_attn` the way the installed torch spells it.
+
+    torch 2.10: `is_causal=`; 2.11: `window_size=(-1, 0)`; 2.12+: `window_size` and
+    `enable_gqa=`. Without `enable_gqa` every query head gets its own copy of its KV head
+    (query head h reads KV head h // n_rep, as SDPA's GQA does), correct whatever the kernel
+    accepts.
+    """
+    params = inspect.signature(varlen_attn).parameters
+    if "enable_gqa" in params:
+        return varlen_attn(
+            q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True
+        )
+    n_rep = q_THK.size(1) // k_TGK.size(1)
+    if n_rep > 1:
+        k_TGK, v_TGK = (t.repeat_interleave(n_rep, dim=1) for t in (k_TGK, v_TGK))
+    causal: dict[str, Any] = (
+        {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     )
+    return varlen_attn(q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, **causal)
 
 
 def _sdpa_grouped(
@@ -210,44 +230,16 @@ def _(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu_seqlens: Tensor) -> Tensor
 def _sdpa_varlen_backward_op(
     grad_THK: Tensor, q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu_seqlens: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention gradients group by group, recomputing the probabilities (explicit math).
+    """Attention gradients by SDPA's own fused backward kernels, the forward recomputed.
 
-    Autograd cannot run inside a custom op, hence the closed form. Padded rows add zeros: their
-    output gradient is zero and no real query gives a padded key any probability.
+    A custom op runs below autograd, so plain autograd records nothing here; functorch's vjp
+    brings its own and differentiates the same grouped SDPA calls (and gathers) as eager mode.
     """
     groups, inverse, _ = sdpa_plan(cu_seqlens, q_THK.size(0))
-    T, H, K = q_THK.shape
-    n_rep = H // k_TGK.size(1)
-    grad_rows = grad_THK if inverse is None else _scatter_rows(grad_THK, inverse, groups)
-    # float32 math: this closed form has no fused kernel to keep bf16 softmax accurate.
-    dq_THK, dk_TGK, dv_TGK = (
-        torch.zeros_like(t, dtype=torch.float32) for t in (q_THK, k_TGK, v_TGK)
+    _, pullback = torch.func.vjp(
+        lambda q, k, v: _sdpa_grouped(q, k, v, groups, inverse), q_THK, k_TGK, v_TGK
     )
-    offset = 0
-    for group in groups:
-        index_nP = (
-            torch.arange(T, device=q_THK.device).view(-1, group)
-            if isinstance(group, int)
-            else group
-        )
-        n, P = index_nP.shape
-        go = grad_rows[offset : offset + n * P].view(n, P, H, K).transpose(1, 2).float()
-        offset += n * P
-        q, k, v = (t[index_nP].transpose(1, 2).float() for t in (q_THK, k_TGK, v_TGK))
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        scale = K**-0.5
-        future = torch.ones(P, P, dtype=torch.bool, device=q.device).triu(1)
-        probs = (q @ k.transpose(-1, -2) * scale).masked_fill(future, float("-inf")).softmax(-1)
-        out = probs @ v
-        dv = probs.transpose(-1, -2) @ go
-        dscores = probs * (go @ v.transpose(-1, -2) - (go * out).sum(-1, keepdim=True))
-        dq, dk = dscores @ k * scale, dscores.transpose(-1, -2) @ q * scale
-        flat = index_nP.reshape(-1)
-        dq_THK.index_add_(0, flat, dq.transpose(1, 2).reshape(-1, H, K))
-        for grad, acc in ((dk, dk_TGK), (dv, dv_TGK)):
-            per_kv_head = grad.view(n, -1, n_rep, P, K).sum(2)  # GQA: sum over sharing heads
-            acc.index_add_(0, flat, per_kv_head.transpose(1, 2).reshape(-1, acc.size(1), K))
-    return dq_THK.to(q_THK.dtype), dk_TGK.to(k_TGK.dtype), dv_TGK.to(v_TGK.dtype)
+    return pullback(grad_THK)
 
 
 @_sdpa_varlen_backward_op.register_fake
@@ -265,14 +257,6 @@ def _sdpa_varlen_grad(ctx: Any, grad_THK: Tensor) -> tuple[Tensor | None, ...]:
 
 
 sdpa_varlen_op.register_autograd(_sdpa_varlen_grad, setup_context=_sdpa_varlen_setup)
-
-
-def _scatter_rows(grad_THK: Tensor, inverse: Tensor, groups: list[Tensor | int]) -> Tensor:
-    """Token-order gradient laid out like the concatenated group outputs (zeros at padding)."""
-    total = sum(g.numel() for g in groups if isinstance(g, Tensor))
-    rows = grad_THK.new_zeros(total, *grad_THK.shape[1:])
-    rows[inverse] = grad_THK
-    return rows
 
 
 def causal_sdpa(q_nPHK: Tensor, k_nPGK: Tensor, v_nPGK: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MORPH_DISPATCHES = ("masked", "sparse")
-ATTN_IMPLS = ("auto", "flash", "torch_varlen", "sdpa")
+ATTN_IMPLS = ("auto", "flash", "torch_varlen", "flex", "sdpa")
 VOCAB_MULTIPLE = 64  # embedding rows are padded so matmuls over the vocabulary stay aligned
 # Llama 3.1 rotary scaling parameters, named as in Hugging Face configs.
 LLAMA3_ROPE_KEYS = (
@@ -40,7 +40,7 @@ class ModelConfig:
     n_morph_classes: int = 0  # morph experts per block; 0 disables morph routing
     morph_expert_dim: int = 0  # hidden width of each morph expert's SwiGLU
     morph_dispatch: str = "masked"  # "masked" (static shapes) or "sparse" (fewer FLOPs)
-    attn_impl: str = "auto"  # "auto", "flash", "torch_varlen" or "sdpa"
+    attn_impl: str = "auto"  # "auto", "flash", "torch_varlen", "flex" or "sdpa"
     max_seq_len: int = 1024  # longest sequence (rotary table length)
     rope_theta: float = 10000.0  # rotary base
     norm_eps: float = 1e-5  # RMSNorm epsilon

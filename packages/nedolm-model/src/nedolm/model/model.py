@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from nedolm.model.attention import VarlenLayout, build_layout, resolve_attn_impl, varlen_attention
+from nedolm.model.attention import VarlenLayout, build_layout, varlen_attention
+from nedolm.model.attn_select import resolve_attn_impl
 from nedolm.model.config import ModelConfig
 from nedolm.model.layout import positions_from_cu_seqlens
 from nedolm.model.loss import IGNORE_INDEX, fused_linear_cross_entropy
@@ -240,7 +241,13 @@ class MorphTransformer(nn.Module):
             row_len = shape[-1]
             cu_seqlens = torch.arange(0, T + 1, row_len, dtype=torch.int32, device=ids_T.device)
             max_seqlen = row_len
-        impl = resolve_attn_impl(self.cfg.attn_impl, ids_T.device)
+        device = ids_T.device
+        dtype = (  # what attention computes in: the autocast dtype, else the weights'
+            torch.get_autocast_dtype(device.type)
+            if torch.is_autocast_enabled(device.type)
+            else self.tok_embeddings.weight.dtype
+        )
+        impl = resolve_attn_impl(self.cfg.attn_impl, device, dtype, backward=False)
         layout = build_layout(impl, cu_seqlens, max_seqlen, T)
         if position_ids is None:
             positions_T = positions_from_cu_seqlens(cu_seqlens, T)

@@ -1,0 +1,218 @@
+"""Which attention backend runs: `auto` takes only a backend whose start-up probe passed.
+
+A backend being installed says little: torch's `varlen_attn` changed its keywords between
+releases and FlexAttention has no CPU backward. So before `auto` picks a backend for a
+(device, dtype) it runs the backend's forward and backward once on tiny packed inputs and
+compares both with a float32 dense reference; the first backend in `BACKENDS` order that passes
+is chosen, and the choice and every rejection are logged. Results are cached per process.
+"""
+
+# Shape legend: T probe tokens, H query heads, G kv heads, K head dim.
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from nedolm.model.attention import (
+    BACKENDS,
+    AttentionBackendError,
+    attention_backends,
+    build_layout,
+    varlen_attention,
+)
+
+log = logging.getLogger(__name__)
+
+_PROBE_LENGTHS = (5, 1, 19, 7)  # one single-token segment; T = 32
+_PROBE_HEADS, _PROBE_KV_HEADS, _PROBE_HEAD_DIM = 4, 2, 64  # GQA 2:1
+_HALF_TOLERANCE, _FLOAT_TOLERANCE = 2e-2, 1e-3  # relative L2 error vs the fp32 reference
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Why the probe's forward / backward failed (None: passed)."""
+
+    forward: str | None
+    backward: str | None
+
+    @property
+    def trains(self) -> bool:
+        return self.forward is None and self.backward is None
+
+
+_probed: dict[tuple[str, torch.device, torch.dtype], ProbeResult] = {}
+_resolved: dict[tuple[str, torch.device, torch.dtype], str] = {}
+
+
+def resolve_attn_impl(
+    attn_impl: str,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    *,
+    backward: bool = True,
+) -> str:
+    """The backend that runs `attn_impl` on `device` with `dtype` inputs.
+
+    `auto` is the first backend (in `BACKENDS` order) whose forward and backward probe passed.
+    A named backend must be present and pass its forward probe, and with `backward` (the
+    default: training) its backward probe. `dtype` defaults to the trainer's compute dtype:
+    bf16 on CUDA, else float32. Cached: after the first call this is one dict look-up.
+
+    Raises:
+        AttentionBackendError: unknown name, or the backend cannot run here (with the reason).
+    """
+    device, dtype = _normalize(device, dtype)
+    name = _resolved.get((attn_impl, device, dtype))
+    if name is None:
+        name = _resolve_uncached(attn_impl, device, dtype)
+    if backward and attn_impl != "auto":
+        why_not = probe(name, device, dtype).backward
+        if why_not is not None:
+            raise AttentionBackendError(
+                f"attn_impl={name!r} cannot train on {device} in {dtype}: its backward "
+                f"failed the start-up probe: {why_not}"
+            )
+    return name
+
+
+def probe_backends(
+    device: torch.device | str, dtype: torch.dtype | None = None
+) -> dict[str, str | None]:
+    """Every backend mapped to None when it trains on `device` in `dtype`, else why not."""
+    device, dtype = _normalize(device, dtype)
+    return {name: _why_not_trainable(name, device, dtype) for name in BACKENDS}
+
+
+def probe(name: str, device: torch.device, dtype: torch.dtype) -> ProbeResult:
+    """Run (once per process) `name`'s forward and backward on tiny packed inputs."""
+    key = (name, device, dtype)
+    if key not in _probed:
+        _probed[key] = _run_probe(name, device, dtype)
+    return _probed[key]
+
+
+def _normalize(
+    device: torch.device | str, dtype: torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, dtype
+
+
+@torch.compiler.disable  # probes run eagerly even when first reached from a compiled forward
+def _resolve_uncached(attn_impl: str, device: torch.device, dtype: torch.dtype) -> str:
+    if attn_impl == "auto":
+        name = _choose(device, dtype)
+    elif attn_impl not in BACKENDS:
+        raise AttentionBackendError(
+            f"unknown attn_impl {attn_impl!r}; choose one of {('auto', *BACKENDS)}"
+        )
+    else:
+        name = attn_impl
+        reason = attention_backends(device)[name]
+        if reason is None:
+            reason = probe(name, device, dtype).forward
+        if reason is not None:
+            raise AttentionBackendError(f"attn_impl={name!r} cannot run here: {reason}")
+    _resolved[(attn_impl, device, dtype)] = name
+    return name
+
+
+def _choose(device: torch.device, dtype: torch.dtype) -> str:
+    rejected = []
+    for name in BACKENDS:
+        why_not = _why_not_trainable(name, device, dtype)
+        if why_not is None:
+            detail = "; ".join(rejected) or "nothing preferred was rejected"
+            log.info("attn_impl auto: %s on %s in %s (%s)", name, device, dtype, detail)
+            return name
+        rejected.append(f"{name}: {why_not}")
+    raise AttentionBackendError(
+        f"no attention backend trains on {device} in {dtype}: " + "; ".join(rejected)
+    )
+
+
+def _why_not_trainable(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    reason = attention_backends(device)[name]
+    if reason is not None:
+        return reason
+    result = probe(name, device, dtype)
+    if result.forward is not None:
+        return f"forward failed the probe: {result.forward}"
+    if result.backward is not None:
+        return f"backward failed the probe: {result.backward}"
+    return None
+
+
+def _run_probe(name: str, device: torch.device, dtype: torch.dtype) -> ProbeResult:
+    gen = torch.Generator().manual_seed(0)
+    T = sum(_PROBE_LENGTHS)
+    shapes = ((T, _PROBE_HEADS, _PROBE_HEAD_DIM), *[(T, _PROBE_KV_HEADS, _PROBE_HEAD_DIM)] * 2)
+    exact = [torch.randn(shape, generator=gen) for shape in shapes]
+    grad_THK = torch.randn(shapes[0], generator=gen)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(_PROBE_LENGTHS)], dtype=torch.int32)
+    tolerance = _HALF_TOLERANCE if dtype in (torch.float16, torch.bfloat16) else _FLOAT_TOLERANCE
+    # Outside any autocast or inference mode a caller may be in.
+    with torch.inference_mode(False), torch.autocast(device.type, enabled=False):
+        with torch.enable_grad():
+            want = _reference(*exact, grad_THK)
+        inputs = [t.to(device, dtype) for t in exact]
+
+        def attend() -> Tensor:
+            return varlen_attention(*inputs, build_layout(name, cu_seqlens.to(device), None, T))
+
+        try:  # without autograd first: a backend may only run forward (flex on CPU)
+            with torch.no_grad():
+                forward = _mismatch("output", attend(), want[0], tolerance)
+        except Exception as error:  # any failure rejects the backend; the reason is kept
+            forward = _describe(error)
+        if forward is not None:
+            return ProbeResult(forward, "not run: the forward failed")
+        try:
+            with torch.enable_grad():
+                for t in inputs:
+                    t.requires_grad_()
+                grads = torch.autograd.grad(attend(), inputs, grad_THK.to(device, dtype))
+        except Exception as error:
+            return ProbeResult(None, _describe(error))
+    names = ("d query", "d key", "d value")
+    mismatches = (
+        _mismatch(n, g, w, tolerance) for n, g, w in zip(names, grads, want[1:], strict=True)
+    )
+    return ProbeResult(None, next((m for m in mismatches if m is not None), None))
+
+
+def _reference(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, grad_THK: Tensor) -> tuple[Tensor, ...]:
+    """Float32 dense masked softmax over all T probe tokens, and its input gradients."""
+    T, H, K = q_THK.shape
+    lengths = torch.tensor(_PROBE_LENGTHS)
+    segment_T = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    allowed_TT = (segment_T[:, None] == segment_T[None, :]) & torch.ones(T, T).tril().bool()
+    inputs = [t.clone().requires_grad_() for t in (q_THK, k_TGK, v_TGK)]
+    n_rep = H // k_TGK.size(1)
+    q, k, v = (t.transpose(0, 1) for t in inputs)
+    k, v = k.repeat_interleave(n_rep, dim=0), v.repeat_interleave(n_rep, dim=0)
+    scores = (q @ k.transpose(1, 2) / math.sqrt(K)).masked_fill(~allowed_TT, float("-inf"))
+    out_THK = (scores.softmax(-1) @ v).transpose(0, 1)
+    grads = torch.autograd.grad(out_THK, inputs, grad_THK)
+    return (out_THK.detach(), *grads)
+
+
+def _mismatch(what: str, got: Tensor, want: Tensor, tolerance: float) -> str | None:
+    error = float((got.detach().float().cpu() - want).norm() / want.norm())
+    if not math.isfinite(error) or error > tolerance:
+        return f"{what} differs from the float32 reference by {error:.2e} (relative L2)"
+    return None
+
+
+def _describe(error: Exception) -> str:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first_line}"
