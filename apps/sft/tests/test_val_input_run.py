@@ -1,4 +1,4 @@
-"""``prepare --val-input`` then ``run``: validation reads the separate files, metrics.jsonl
+"""``prepare --mix … --val-input`` then ``run``: validation reads the separate files, metrics.jsonl
 logs each file's loss beside the overall one, and ``plot`` draws a curve per file. Real
 processes on the committed real-data fixture; the plot is titled by the run's name only."""
 
@@ -28,7 +28,7 @@ def test_val_inputs_validate_per_source_through_a_training_run(
 ) -> None:
     chat, data = FIXTURES / "tr_chat", tmp_path / "corpus"
     prepared = nedolm_sft(
-        "prepare", str(chat / "nutuk_qa.jsonl"), str(chat / "truthfulqa_tr.jsonl"),
+        "prepare", "--mix", f"{chat / 'nutuk_qa.jsonl'}=0.6", "--mix", f"{chat / 'truthfulqa_tr.jsonl'}=0.4",
         "--val-input", str(chat / VAL_FILES[0]), "--val-input", str(chat / VAL_FILES[1]),
         "--tokenizer", str(FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz"),
         "--out", str(data), "--seq-len", "256", "--shards", "2", "--no-progress", env=QUIET_ENV,
@@ -36,6 +36,8 @@ def test_val_inputs_validate_per_source_through_a_training_run(
     assert prepared.returncode == 0, prepared.stderr
     assert "4 shards, validation [2, 3]," in prepared.stdout
     assert f"validation {VAL_FILES[0]}: shard 2, 4 conversations" in prepared.stdout
+    # training trains on a mixture too: 0.6 of 16 is 9.6, so 10 nutuk and 6 truthfulqa
+    assert "mixture nutuk_qa.jsonl (weight 0.6): 10 conversations" in prepared.stdout
     stats = nedolm_sft("stats", str(data), env=QUIET_ENV)
     assert f"validation {VAL_FILES[1]}: shard 3, 8 conversations" in stats.stdout
     val_shards = [s for s in discover_sft_shards(data, 256) if s.shard_id in (2, 3)]
