@@ -49,6 +49,7 @@ def test_mixture_accounting_in_prepare_and_stats(nedolm_sft: RunCli, tmp_path: P
         ((str(ARC), "--mix", f"{NUTUK}=1"), "either as INPUTS or with --mix"),
         (("--mix", f"{ARC}=heavy"), f"--mix {ARC}=heavy: the weight must be a positive number"),
         (("--mix", f"{ARC}=0"), "the weight must be a positive number"),
+        (("--mix", f"{ARC}=1", "--mix", f"{ARC}=2"), f"{ARC}: weighed twice"),
         (("--mix", f"{ARC.parent / 'nope.jsonl'}=1"), "nope.jsonl: input file not found"),
         ((str(ARC), "--mix-total", "5"), "--mix-total needs --mix"),
         ((str(ARC), "--val-input", str(NUTUK), "--val-fraction", "0.1"), "not both"),

@@ -61,11 +61,17 @@ def _shard_ids(text: str | None) -> tuple[int, ...]:
 def _weighted(pairs: tuple[str, ...], mix_file: Path | None) -> dict[Path, float]:
     """--mix FILE=WEIGHT pairs and a mixture YAML ({FILE: WEIGHT}, paths relative to it)."""
     mixture: dict[Path, float] = {}
+
+    def add(path: Path, weight: object, where: str) -> None:
+        if path in mixture:
+            raise click.BadParameter(f"{path}: weighed twice", param_hint="--mix")
+        mixture[path] = _weight(weight, where)
+
     for pair in pairs:
         path, sep, weight = pair.rpartition("=")
         if not sep or not path:
             raise click.BadParameter(f"{pair!r} is not FILE=WEIGHT", param_hint="--mix")
-        mixture[Path(path)] = _weight(weight, f"--mix {pair}")
+        add(Path(path), weight, f"--mix {pair}")
     if mix_file is not None:
         try:
             entries = yaml.safe_load(mix_file.read_text(encoding="utf-8"))
@@ -76,7 +82,7 @@ def _weighted(pairs: tuple[str, ...], mix_file: Path | None) -> dict[Path, float
                 f"{mix_file}: not a mapping of input file to weight", param_hint="--mix-file"
             )
         for path, weight in entries.items():
-            mixture[mix_file.parent / str(path)] = _weight(weight, f"{mix_file}: {path}")
+            add(mix_file.parent / str(path), weight, f"{mix_file}: {path}")
     for path in mixture:
         if not path.exists():
             raise click.BadParameter(f"{path}: input file not found", param_hint="--mix")
