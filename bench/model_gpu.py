@@ -1,10 +1,14 @@
 """CUDA benchmark of nedolm-model (run by bench/gpu.sh).
 
-1. Backend agreement in bf16: every available attention backend against `sdpa` on the same
-   packed rows: logits, fused-head loss and every gradient.
+0. Each attention backend's start-up probe (forward + backward on tiny inputs) and what
+   `attn_impl: auto` therefore picks on this device.
+1. Backend agreement in bf16: every present attention backend (flash, torch_varlen, flex)
+   against `sdpa` on the same packed rows: logits, fused-head loss and every gradient. Each
+   backend runs on its own: one that fails prints its error row and the others still run.
 2. Training-step tokens/s and MFU of a preset (default nedolm-0.8b) at seq_len 4096 on packed
-   rows with 40% targets, for each backend, eager and compiled (each block compiled on its
-   own: one compiled graph serves all blocks, so compile takes seconds, not minutes).
+   rows with 40% targets, for each backend whose probe passed, eager and compiled (each block
+   compiled on its own: one compiled graph serves all blocks, so compile takes seconds, not
+   minutes); a failing configuration prints its error row.
 
 MFU counts the FLOPs the model needs: 6 x matmul parameters per token (one morph expert per
 token, not the three that `masked` dispatch runs), 6 x vocab x d_model per *target* token (the
@@ -22,7 +26,15 @@ import time
 
 import torch
 
-from nedolm.model import ModelConfig, attention_backends, build_model, packed_layout, preset
+from nedolm.model import (
+    ModelConfig,
+    attention_backends,
+    build_model,
+    packed_layout,
+    preset,
+    probe_backends,
+    resolve_attn_impl,
+)
 
 TARGET_FRACTION, EOS_ID = 0.4, 2
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
@@ -83,12 +95,24 @@ def agreement(cfg: ModelConfig, backends: list[str], seq_len: int, device: str) 
     print("| backend | max abs logit diff / max abs logit | loss rel diff | worst grad rel diff |")
     print("|---|---|---|---|")
     for backend in backends:
-        loss, grads, logits = loss_grads_logits(build(cfg, backend, device, state), *batch, device)
+        if backend == "sdpa":
+            continue
+        try:
+            model = build(cfg, backend, device, state)
+            loss, grads, logits = loss_grads_logits(model, *batch, device)
+        except Exception as error:  # one broken backend must not hide the others' rows
+            print(f"| {backend} | error: {_first_line(error)} | | |", flush=True)
+            continue
         logit_err = float((logits - ref_logits).abs().max() / ref_logits.abs().max())
         loss_err = float((loss - ref_loss).abs() / ref_loss.abs())
         grad_err = max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items())
-        print(f"| {backend} | {logit_err:.2e} | {loss_err:.2e} | {grad_err:.2e} |")
+        print(f"| {backend} | {logit_err:.2e} | {loss_err:.2e} | {grad_err:.2e} |", flush=True)
     print("\n(bf16 rounding: expect <= ~2e-2 everywhere; larger means a backend bug)\n")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text}"[:200].replace("|", "/")
 
 
 def model_flops(cfg: ModelConfig, n_tokens: int, n_targets: int, lengths: torch.Tensor) -> float:
@@ -160,16 +184,19 @@ def main() -> None:
     args = parser.parse_args()
     began = time.perf_counter()
     cfg = preset(args.preset, morph_dispatch=args.dispatch, max_seq_len=args.seq_len)
-    backends = [name for name, why in attention_backends(args.device).items() if why is None]
+    present = [name for name, why in attention_backends(args.device).items() if why is None]
     peak = args.peak_tflops
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     if peak is None:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
     print(f"device {name}, torch {torch.__version__}, peak bf16 {peak or 'unknown'} TFLOP/s")
-    for backend, why in attention_backends(args.device).items():
-        print(f"- {backend}: {'available' if why is None else why}")
+    probed = probe_backends(args.device)
+    print(f"attn_impl auto picks {resolve_attn_impl('auto', args.device)}; start-up probes:")
+    for backend, why in probed.items():
+        print(f"- {backend}: {'trains (forward + backward probe passed)' if why is None else why}")
     print()
-    agreement(cfg, backends, min(args.seq_len, 2048), args.device)
+    agreement(cfg, present, min(args.seq_len, 2048), args.device)
+    trainable = [name for name, why in probed.items() if why is None]
 
     with torch.device("meta"):  # count without allocating
         n_params = build_model(cfg).num_params()
@@ -180,7 +207,7 @@ def main() -> None:
     print(f"AdamW, median of {args.steps} steps\n")
     print("| backend | mode | step ms | tokens/s | MFU | compile s | peak GiB |")
     print("|---|---|---|---|---|---|---|")
-    for backend in backends:
+    for backend in trainable:
         for compiled in (False, True):
             if time.perf_counter() - began > args.budget_s:
                 print(f"| {backend} | {'compiled' if compiled else 'eager'} | skipped: budget |")
@@ -192,6 +219,9 @@ def main() -> None:
                 print(throughput(cfg, backend, compiled, args, peak), flush=True)
             except torch.OutOfMemoryError:
                 print(f"| {backend} | {'compiled' if compiled else 'eager'} | OOM: lower --batch |")
+            except Exception as error:  # the next configuration still runs
+                mode = "compiled" if compiled else "eager"
+                print(f"| {backend} | {mode} | error: {_first_line(error)} |", flush=True)
             torch._dynamo.reset()
 
 
