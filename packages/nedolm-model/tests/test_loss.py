@@ -132,3 +132,30 @@ def test_checkpointed_blocks_equal_plain_blocks(make_model) -> None:
     torch.testing.assert_close(checkpointed[0], plain[0], atol=0, rtol=1e-6)
     for name, grad in plain[1].items():
         torch.testing.assert_close(checkpointed[1][name], grad, atol=1e-7, rtol=1e-6)
+
+
+def test_padded_target_index_rows_add_nothing(make_model) -> None:
+    """Training pads the target positions with -1 rows to fixed multiples (static shapes for
+    torch.compile): the loss and every gradient equal those of the unpadded positions."""
+    model = make_model()
+    input_ids, labels, layout = sft_batch(model.cfg.vocab_size, seed=3)
+    positions = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+    padded = torch.cat([positions, torch.full((13,), -1)])[torch.randperm(len(positions) + 13)]
+    results = []
+    for target_index in (None, padded):
+        for reduction in ("sum", "mean"):
+            model.zero_grad(set_to_none=True)
+            loss, _ = model(
+                input_ids,
+                labels,
+                return_logits=False,
+                loss_reduction=reduction,
+                target_index=target_index,
+                **layout,
+            )
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    for (want_loss, want_grads), (loss, grads) in zip(results[:2], results[2:], strict=True):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+        for grad, want in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)  # row order

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from nedolm.train import setup, step
+from nedolm.train import compiling, step
 from nedolm.train.config import load_sft_config
 from nedolm.train.trainer import run
 
@@ -35,7 +35,7 @@ def _signature(model: torch.nn.Module, mb: step.MicroBatch, options: Any, scale:
 def test_warmup_and_step_call_the_same_function_with_the_same_arguments(
     make_config, monkeypatch, assistant_only_head: bool
 ) -> None:
-    assert setup.forward_backward is step.forward_backward  # one function, two callers
+    assert compiling.forward_backward is step.forward_backward  # one function, two callers
     real = step.forward_backward
     calls: list[tuple] = []
 
@@ -43,7 +43,7 @@ def test_warmup_and_step_call_the_same_function_with_the_same_arguments(
         calls.append(_signature(model, mb, options, scale))
         return real(model, mb, options, scale)
 
-    monkeypatch.setattr(setup, "forward_backward", recording)
+    monkeypatch.setattr(compiling, "forward_backward", recording)
     monkeypatch.setattr(step, "forward_backward", recording)
     config = make_config(
         train={"compile": True, "max_steps": 1, "assistant_only_head": assistant_only_head},

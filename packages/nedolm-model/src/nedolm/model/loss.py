@@ -6,9 +6,17 @@ of target positions only and walks them in chunks, computing each chunk's loss *
 gradients in the forward pass (the softmax is needed for both): no chunk's logits outlive its
 iteration and backward is a scalar multiply. This costs the same three matmuls as the plain
 head, unlike recomputation by checkpointing.
+
+Memory beyond the inputs: one chunk of float32 logits (turned into its gradient in place), the
+gradient of the gathered hidden states and one float32 accumulator of the weight's gradient.
+
+The head is the custom op ``nedolm::fused_linear_cross_entropy``: torch.compile sees one opaque
+call whose target count may be symbolic, so a compiled training forward has no graph break and
+no recompile for a new target count. Rows whose target is ``IGNORE_INDEX`` add nothing, which
+lets callers pad the target rows to a size of their choosing.
 """
 
-# Shape legend: N target tokens, D model dim, V logical vocab, W padded vocab, C chunk rows.
+# Shape legend: N target rows, D model dim, V logical vocab, W padded vocab, C chunk rows.
 from __future__ import annotations
 
 from typing import Any
@@ -17,13 +25,9 @@ import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
-LOSS_CHUNK_ELEMENTS = 1 << 25  # logits elements per chunk: 128 MiB in fp32
+LOSS_CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 64 MiB in fp32
 
 
-# Eager under torch.compile: the chunk loop's trip count depends on the number of targets, so a
-# compiled head would be specialised (recompiled) for every new count. Its work is a few large
-# matmuls per chunk, which eager mode runs at full speed anyway.
-@torch.compiler.disable
 def fused_linear_cross_entropy(
     hidden_ND: Tensor,
     weight_WD: Tensor,
@@ -37,26 +41,38 @@ def fused_linear_cross_entropy(
     """Cross-entropy of `hidden @ weight[:vocab_size].T` against `targets`, never materialised.
 
     Args:
-        hidden_ND: final hidden states at target positions.
+        hidden_ND: final hidden states of the rows to score.
         weight_WD: output embedding; rows past `vocab_size` are padding and never predicted.
-        targets_N: target ids in [0, vocab_size).
+        targets_N: target ids in [0, vocab_size), or IGNORE_INDEX for a row that adds nothing.
         vocab_size: logical vocabulary size.
-        reduction: "sum" or "mean" over the N targets.
+        reduction: "sum" or "mean" over the rows whose target is not ignored.
         fp32_logits: upcast each chunk's logits to float32 before the softmax.
         chunk_elements: logits elements computed at once (rows = chunk_elements // W).
     """
     if reduction not in ("sum", "mean"):
         raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {reduction!r}")
+    device_type = hidden_ND.device.type
     compute_dtype = hidden_ND.dtype
-    if torch.is_autocast_enabled(hidden_ND.device.type):
-        compute_dtype = torch.get_autocast_dtype(hidden_ND.device.type)
-    args = (vocab_size, reduction == "mean", fp32_logits, compute_dtype, chunk_elements)
-    if torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_WD.requires_grad):
-        return _FusedLinearCrossEntropy.apply(hidden_ND, weight_WD, targets_N, *args)
-    return _chunked_loss(hidden_ND, weight_WD, targets_N, *args, with_grads=False)[0]
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    with_grads = torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_WD.requires_grad)
+    chunk_rows = max(1, chunk_elements // weight_WD.size(0))
+    loss, _, _ = _fused_head(
+        hidden_ND,
+        weight_WD,
+        targets_N,
+        vocab_size,
+        reduction == "mean",
+        fp32_logits,
+        compute_dtype,
+        chunk_rows,
+        with_grads,
+    )
+    return loss
 
 
-def _chunked_loss(
+@torch.library.custom_op("nedolm::fused_linear_cross_entropy", mutates_args=())
+def _fused_head(
     hidden_ND: Tensor,
     weight_WD: Tensor,
     targets_N: Tensor,
@@ -64,82 +80,120 @@ def _chunked_loss(
     mean: bool,
     fp32_logits: bool,
     compute_dtype: torch.dtype,
-    chunk_elements: int,
-    *,
+    chunk_rows: int,
     with_grads: bool,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Loss and, if asked, d loss / d hidden [N, D] and d loss / d weight [W, D] (fp32).
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, d loss / d hidden [N, D] in compute dtype, d loss / d weight [W, D] in fp32); the
+    gradients are empty without ``with_grads``.
 
     Matmuls run over all W rows (an aligned width; an odd V like 32003 slows half-precision
     GEMMs), and the softmax reads only the first V columns: padding is never predicted.
     """
-    weight = weight_WD.to(compute_dtype)
-    hidden = hidden_ND.to(compute_dtype)
-    n_targets = hidden.size(0)
-    scale = 1.0 / n_targets if mean and n_targets else 1.0
-    chunk_rows = max(1, chunk_elements // weight.size(0))
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_hidden_ND = torch.empty_like(hidden) if with_grads else None
-    grad_weight_WD = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
-    for start in range(0, n_targets, chunk_rows):
-        h_CD = hidden[start : start + chunk_rows]
-        y_C = targets_N[start : start + chunk_rows]
-        logits_CW = h_CD @ weight.T
-        if fp32_logits:
-            logits_CW = logits_CW.float()
-        logits_CV = logits_CW[:, :vocab_size]
-        lse_C = torch.logsumexp(logits_CV, dim=-1)
-        target_logit_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
-        loss += (lse_C - target_logit_C).float().sum()
-        if grad_hidden_ND is None or grad_weight_WD is None:
-            continue
-        # d(lse - logit_y) / d logits = softmax - onehot(y), built in place over the logits.
-        grad_CW = logits_CW.sub_(lse_C[:, None]).exp_()
-        grad_CW[:, vocab_size:] = 0.0
-        grad_CW[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
-        if scale != 1.0:  # mean: scale before rounding to compute_dtype, as autograd would
-            grad_CW.mul_(scale)
-        grad_CW = grad_CW.to(compute_dtype)
-        grad_hidden_ND[start : start + chunk_rows] = grad_CW @ weight
-        grad_weight_WD += (grad_CW.T @ h_CD).float()
-    if mean:
-        loss = loss / n_targets  # 0/0 = nan with no targets, as F.cross_entropy(mean)
-    return loss, grad_hidden_ND, grad_weight_WD
-
-
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Gradients are computed in forward (they need the same softmax) and scaled in backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden_ND: Tensor,
-        weight_WD: Tensor,
-        targets_N: Tensor,
-        vocab_size: int,
-        mean: bool,
-        fp32_logits: bool,
-        compute_dtype: torch.dtype,
-        chunk_elements: int,
-    ) -> Tensor:
-        loss, grad_hidden_ND, grad_weight_WD = _chunked_loss(
-            hidden_ND,
-            weight_WD,
+    with torch.autocast(hidden_ND.device.type, enabled=False):  # dtypes are chosen here
+        return _chunked_loss(
+            hidden_ND.to(compute_dtype),
+            weight_WD.to(compute_dtype),
             targets_N,
             vocab_size,
             mean,
             fp32_logits,
-            compute_dtype,
-            chunk_elements,
-            with_grads=True,
+            chunk_rows,
+            with_grads,
         )
-        ctx.save_for_backward(grad_hidden_ND, grad_weight_WD)
-        ctx.hidden_dtype, ctx.weight_dtype = hidden_ND.dtype, weight_WD.dtype
-        return loss
 
-    @staticmethod
-    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        grad_hidden_ND, grad_weight_WD = ctx.saved_tensors
-        grad_hidden = (grad_hidden_ND * grad_loss).to(ctx.hidden_dtype)
-        grad_weight = (grad_weight_WD * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+def _chunked_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets_N: Tensor,
+    vocab_size: int,
+    mean: bool,
+    fp32_logits: bool,
+    chunk_rows: int,
+    with_grads: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    n_rows = hidden.size(0)
+    valid_N = targets_N != IGNORE_INDEX
+    safe_targets_N = torch.where(valid_N, targets_N, 0)
+    # A tensor, not a Python number: reading the count would stall on the device. No valid
+    # target: the mean is 0/0 = nan, as F.cross_entropy's.
+    scale = 1.0 / valid_N.sum().float() if mean else None
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if with_grads else hidden.new_empty(0)
+    grad_weight = (
+        torch.zeros_like(weight, dtype=torch.float32) if with_grads else weight.new_empty(0)
+    )
+    for start in range(0, n_rows, chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        h_CD, y_C, valid_C = hidden[rows], safe_targets_N[rows], valid_N[rows]
+        logits_CW = h_CD @ weight.T
+        if fp32_logits:
+            logits_CW = logits_CW.float()
+        logits_CV = logits_CW[:, :vocab_size]
+        target_logit_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
+        # logsumexp in place over the logits: they become exp(logit - max), then the softmax.
+        max_C = logits_CV.amax(dim=-1, keepdim=True)
+        exp_CV = logits_CV.sub_(max_C).exp_()
+        sum_C = exp_CV.sum(dim=-1, keepdim=True, dtype=torch.float32)
+        lse_C = (max_C.float() + sum_C.log()).squeeze(1)
+        loss += torch.where(valid_C, lse_C - target_logit_C.float(), 0.0).sum()
+        if not with_grads:
+            continue
+        # d(lse - logit_y) / d logits = softmax - onehot(y), zero on ignored rows and padding.
+        grad_CW = logits_CW
+        grad_CV = exp_CV.div_(sum_C)
+        grad_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
+        grad_CW[:, vocab_size:] = 0.0
+        grad_CW.mul_(valid_C[:, None])
+        if scale is not None:  # mean: scale before rounding to compute dtype, as autograd would
+            grad_CW.mul_(scale)
+        grad_CW = grad_CW.to(weight.dtype)
+        grad_hidden[rows] = grad_CW @ weight
+        grad_weight.add_(grad_CW.T @ h_CD)  # adds the half-precision product in place
+    if scale is not None:
+        loss = loss * scale
+    return loss, grad_hidden, grad_weight
+
+
+@_fused_head.register_fake
+def _(
+    hidden_ND: Tensor,
+    weight_WD: Tensor,
+    targets_N: Tensor,
+    vocab_size: int,
+    mean: bool,
+    fp32_logits: bool,
+    compute_dtype: torch.dtype,
+    chunk_rows: int,
+    with_grads: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    loss = hidden_ND.new_empty((), dtype=torch.float32)
+    if not with_grads:
+        return loss, hidden_ND.new_empty(0, dtype=compute_dtype), weight_WD.new_empty(0)
+    grad_hidden = hidden_ND.new_empty(hidden_ND.shape, dtype=compute_dtype)
+    return loss, grad_hidden, weight_WD.new_empty(weight_WD.shape, dtype=torch.float32)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    _, grad_hidden, grad_weight = output
+    ctx.save_for_backward(grad_hidden, grad_weight)
+    ctx.hidden_dtype, ctx.weight_dtype = inputs[0].dtype, inputs[1].dtype
+
+
+def _backward(ctx: Any, grad_loss: Tensor, *_unused: Tensor) -> tuple[Tensor | None, ...]:
+    """The gradients were computed in forward (they need the same softmax): scale them."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    return (
+        (grad_hidden * grad_loss).to(ctx.hidden_dtype),
+        (grad_weight * grad_loss).to(ctx.weight_dtype),
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_fused_head.register_autograd(_backward, setup_context=_setup_context)

@@ -205,6 +205,7 @@ class MorphTransformer(nn.Module):
         cu_seqlens: Tensor | None = None,
         max_seqlen: int | None = None,
         position_ids: Tensor | None = None,
+        target_index: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """Logits and/or the loss of next-token prediction.
 
@@ -220,6 +221,9 @@ class MorphTransformer(nn.Module):
             max_seqlen: longest segment (saves a host sync on the kernel backends).
             position_ids: rotary positions, same shape as input_ids; default: derived from
                 cu_seqlens (0 at every segment start).
+            target_index: int64 [N] flattened positions the fused head scores (see
+                `target_rows`); default: every position whose label is not ignored, found on
+                the device (data-dependent: a host sync, and a graph break when compiled).
 
         Returns:
             (loss, logits): loss is None without labels, logits None if not requested.
@@ -262,12 +266,11 @@ class MorphTransformer(nn.Module):
 
         loss = logits = None
         if labels is not None and not return_logits:
-            labels_T = labels.reshape(-1)
-            target_T = labels_T != IGNORE_INDEX
+            index_N, targets_N = target_rows(labels.reshape(-1), target_index)
             loss = fused_linear_cross_entropy(
-                hidden_TD[target_T],
+                hidden_TD.index_select(0, index_N),
                 self.output_weight,
-                labels_T[target_T],
+                targets_N,
                 vocab_size=self.cfg.vocab_size,
                 reduction=loss_reduction,
                 fp32_logits=loss_fp32_logits,
@@ -319,6 +322,22 @@ class MorphTransformer(nn.Module):
             return None
         classes_T = self.morph_classes[ids_T]
         return MorphRoute(classes_T, cfg.n_morph_classes, cfg.morph_expert_dim, cfg.morph_dispatch)
+
+
+def target_rows(labels_T: Tensor, target_index: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The rows the fused head scores and their targets: (index [N], targets [N]).
+
+    `target_index` lists flattened target positions, padded with -1 entries (scored as
+    IGNORE_INDEX) so that callers can give it a size of their choosing; a compiled forward
+    then never depends on the number of targets. Without it the targets are found here.
+    """
+    if target_index is None:
+        index_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)
+        return index_N, labels_T.index_select(0, index_N)
+    padding_N = target_index < 0
+    index_N = target_index.clamp_min(0)
+    targets_N = labels_T.index_select(0, index_N).masked_fill(padding_N, IGNORE_INDEX)
+    return index_N, targets_N
 
 
 def build_model(cfg: ModelConfig) -> MorphTransformer:

@@ -79,7 +79,8 @@ class MorphRoute:
         self.mask_TCE = torch.empty(0)
         self.class_indices: list[Tensor] = []
         if dispatch == "masked":
-            one_hot_TC = F.one_hot(classes_T, n_classes).bool()
+            # A comparison, not F.one_hot: its range check reads the classes on the host.
+            one_hot_TC = classes_T[:, None] == torch.arange(n_classes, device=classes_T.device)
             self.mask_TCE = one_hot_TC.repeat_interleave(expert_dim, dim=1)
         else:
             self.class_indices = [(classes_T == c).nonzero().flatten() for c in range(n_classes)]

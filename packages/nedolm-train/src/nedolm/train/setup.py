@@ -33,10 +33,9 @@ from nedolm.dist import (
     DistInfo,
     all_rank_call,
     broadcast_module_state,
-    collect_rank_errors,
     main_rank_call,
 )
-from nedolm.model import IGNORE_INDEX, ModelConfig, build_model, packed_layout, resolve_attn_impl
+from nedolm.model import ModelConfig, build_model, resolve_attn_impl
 from nedolm.train.audit import BatchAudit
 from nedolm.train.base import (
     base_run_config,
@@ -45,6 +44,7 @@ from nedolm.train.base import (
     model_config,
 )
 from nedolm.train.checkpoint import resume_checkpoint, write_run_metadata
+from nedolm.train.compiling import compile_and_warm_up
 from nedolm.train.config import RunConfig, SFTConfig, to_builtins
 from nedolm.train.contract import (
     ELASTIC_FREE,
@@ -56,11 +56,10 @@ from nedolm.train.contract import (
     split_train_val,
     training_contract,
 )
-from nedolm.train.faults import maybe_inject
 from nedolm.train.optim import build_optimizer
 from nedolm.train.parallel import is_sharded, parallelize
 from nedolm.train.state import TrainState, read_checkpoint
-from nedolm.train.step import LossOptions, MicroBatch, StepSettings, forward_backward
+from nedolm.train.step import LossOptions, StepSettings
 
 log = logging.getLogger(__name__)
 
@@ -403,27 +402,6 @@ def _load_base(cfg: SFTConfig, model: nn.Module) -> Path:
     return path
 
 
-def _warmup_batch(
-    base_model: nn.Module, micro_batch: int, seq_len: int, eos_id: int, device: torch.device
-) -> MicroBatch:
-    """A synthetic packed micro-batch shaped as training's (three EOS per row, a third of it
-    masked), for the compile warm-up.
-
-    Uses its own generator so that warming up does not consume the global RNG stream.
-    """
-    gen = torch.Generator().manual_seed(0)
-    vocab = base_model.cfg.vocab_size
-    inputs = torch.randint(0, vocab, (micro_batch, seq_len), generator=gen)
-    labels = inputs.clone()
-    labels[:, : seq_len // 3] = IGNORE_INDEX
-    for col in (seq_len // 4, seq_len // 2, (3 * seq_len) // 4):
-        inputs[:, col] = eos_id
-    inputs, labels = inputs.to(device), labels.to(device)
-    cu_seqlens, position_ids = packed_layout(inputs, eos_id)
-    targets = int((labels != IGNORE_INDEX).sum())
-    return MicroBatch(inputs, labels, cu_seqlens, position_ids, targets)
-
-
 def _maybe_compile(
     base_model: nn.Module,
     cfg: SFTConfig,
@@ -431,39 +409,23 @@ def _maybe_compile(
     settings: StepSettings,
     allow_compile: bool,
 ) -> tuple[nn.Module, bool]:
-    """Compile and warm up on every rank; if any rank fails, every rank runs eagerly.
+    """Compile and warm up on every rank (``compile_and_warm_up``); if any rank fails to
+    compile, every rank runs eagerly.
 
-    The warm-up calls ``forward_backward``, as the step does, on a micro-batch of the
-    training shape, so it compiles the graph that training runs. Runs before DDP so that a
-    failed warm-up cannot strand a rank inside a DDP collective, and so that all ranks share
-    one execution mode.
+    Runs before DDP so that a failed warm-up cannot strand a rank inside a DDP collective, and
+    so that all ranks share one execution mode.
     """
     if not (cfg.train.compile and allow_compile):
         return base_model, False
-    info = settings.info
-    local_error = ""
-    compiled = None
-    try:
-        log.info("compile warm-up started (backend=%s)", cfg.train.compile_backend)
-        started = time.monotonic()
-        maybe_inject("compile_warmup", info.rank)
-        compiled = torch.compile(
-            base_model, mode=cfg.train.compile_mode, backend=cfg.train.compile_backend
-        )
-        mb = _warmup_batch(
-            base_model, cfg.train.micro_batch_size, seq_len, settings.eos_id, info.device
-        )
-        forward_backward(compiled, mb, settings.loss, info.world_size / mb.targets)
-        log.info("compile warm-up done in %.1fs", time.monotonic() - started)
-    except Exception as exc:  # decided together below
-        local_error = f"{type(exc).__name__}: {exc}"
-    finally:
-        base_model.zero_grad(set_to_none=True)
-    errors = collect_rank_errors(info, local_error)
-    if errors:
-        log.warning("torch.compile disabled on every rank: %s", " | ".join(errors))
-        return base_model, False
-    return compiled, True
+    compiled = compile_and_warm_up(
+        base_model,
+        settings,
+        cfg.train.micro_batch_size,
+        seq_len,
+        mode=cfg.train.compile_mode,
+        backend=cfg.train.compile_backend,
+    )
+    return (base_model, False) if compiled is None else (compiled, True)
 
 
 def _build_loaders(

@@ -77,18 +77,47 @@ class MicroBatch:
     labels: Tensor  # [B, S] next-token targets, IGNORE_INDEX where not trained
     cu_seqlens: Tensor  # int32 [N + 1] segment offsets (EOS and row starts)
     position_ids: Tensor  # [B, S], 0 at every segment start
+    target_index: Tensor  # int64 [TARGET_ROWS * k] flattened target positions, -1 padded
     targets: int  # number of trained positions
 
 
+TARGET_ROWS = 128
+"""The fused head scores a multiple of this many rows (padding rows add nothing)."""
+
+
 def to_micro_batch(batch: dict[str, Tensor], device: torch.device, eos_id: int) -> MicroBatch:
-    """Inputs are tokens[:, :-1]; labels tokens[:, 1:] where trainable_mask[:, 1:] holds."""
-    tokens = batch["tokens"].to(device, dtype=torch.long, non_blocking=True)
-    mask = batch["trainable_mask"][:, 1:]
-    targets = int(mask.sum())  # on the CPU copy: no device sync
-    inputs = tokens[:, :-1].contiguous()  # a strided view would recompile the compiled model
-    labels = tokens[:, 1:].masked_fill(~mask.to(device, non_blocking=True), IGNORE_INDEX)
+    """Inputs are tokens[:, :-1]; labels tokens[:, 1:] where trainable_mask[:, 1:] holds.
+
+    Everything is derived on the CPU from the loader's (pinned) batch, so no step of it waits
+    for the device, and then copied over without blocking. What varies from batch to batch,
+    the segment and the target counts, is marked dynamic for torch.compile (the target rows
+    are also padded to a multiple of ``TARGET_ROWS``, never fewer), so a compiled model is
+    traced once; the token tensors get canonical strides (a [1, S] view of the [1, S + 1]
+    rows would otherwise recompile it).
+    """
+    tokens, mask = batch["tokens"], batch["trainable_mask"][:, 1:]
+    inputs = tokens[:, :-1].clone(memory_format=torch.contiguous_format)
+    labels = torch.where(mask, tokens[:, 1:], IGNORE_INDEX)
     cu_seqlens, position_ids = packed_layout(inputs, eos_id)
-    return MicroBatch(inputs, labels, cu_seqlens, position_ids, targets)
+    positions = mask.reshape(-1).nonzero().squeeze(1)
+    target_index = torch.full((_padded_rows(positions.numel()),), -1, dtype=torch.long)
+    target_index[: positions.numel()] = positions
+    host = (inputs, labels, cu_seqlens, position_ids, target_index)
+    mb = MicroBatch(*(_to_device(t, device) for t in host), targets=positions.numel())
+    for varying in (mb.cu_seqlens, mb.target_index):
+        torch._dynamo.maybe_mark_dynamic(varying, 0)
+    return mb
+
+
+def _padded_rows(targets: int) -> int:
+    return max(1, -(-targets // TARGET_ROWS)) * TARGET_ROWS
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """An asynchronous copy: from pinned memory when the device is a GPU."""
+    if device.type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
@@ -106,6 +135,7 @@ def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
                 return_logits=False,
                 loss_reduction="sum",
                 loss_fp32_logits=options.loss_fp32_logits,
+                target_index=mb.target_index,
                 **layout,
             )
             return loss

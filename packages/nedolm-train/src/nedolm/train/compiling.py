@@ -1,0 +1,166 @@
+"""torch.compile of the training model: one warm-up on the training shapes, counted recompiles.
+
+The warm-up runs ``forward_backward``, as every step does, on a micro-batch built by the step's
+own ``to_micro_batch`` from a loader-shaped batch, so it traces the graph that training runs:
+the same shapes and strides, the segment and target counts already dynamic. Training should
+then never compile again; dynamo's own counters (frames compiled, graph breaks) are logged at
+the end of the warm-up, and each later compilation is logged as a recompile when it happens.
+
+A warm-up that fails is not always a compile failure: the attention backend can fail on this
+machine whatever the compiler does. Such a failure is raised, naming the backend, instead of
+falling back to an eager run that would fail the same way at its first step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from nedolm.dist import collect_rank_errors
+from nedolm.model import AttentionBackendError
+from nedolm.train.faults import maybe_inject
+from nedolm.train.step import MicroBatch, StepSettings, forward_backward, to_micro_batch
+
+log = logging.getLogger(__name__)
+
+SEGMENTS_PER_ROW = 8
+"""Conversations per row of the warm-up batch (the count is dynamic: any will do)."""
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(frames compiled, graph breaks) in this process so far, from dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"], sum(counters["graph_break"].values())
+
+
+class _RecompileLog:
+    """Logs each compilation after the warm-up: there should be none."""
+
+    def __init__(self) -> None:
+        self.recompiles = 0
+        self.armed = False
+
+    def __call__(self, args: Any = None) -> None:
+        trigger = getattr(args, "callback_trigger", None)
+        if not self.armed or (trigger is not None and trigger.name != "DYNAMO"):
+            return
+        self.recompiles += 1
+        log.warning(
+            "torch.compile recompiled the training model after the warm-up (%d so far); "
+            "TORCH_LOGS=recompiles says why",
+            self.recompiles,
+        )
+
+
+_RECOMPILES: _RecompileLog | None = None
+
+
+def _recompile_log() -> _RecompileLog:
+    """The process's one recompile logger, registered with dynamo once and re-armed per run."""
+    global _RECOMPILES
+    if _RECOMPILES is None:
+        from torch._dynamo.callback import callback_handler
+
+        _RECOMPILES = _RecompileLog()
+        callback_handler.register_start_callback(_RECOMPILES)
+    _RECOMPILES.armed = False
+    _RECOMPILES.recompiles = 0
+    return _RECOMPILES
+
+
+def warmup_batch(
+    vocab_size: int, micro_batch: int, seq_len: int, eos_id: int, device: torch.device
+) -> MicroBatch:
+    """A loader-shaped packed batch (``SEGMENTS_PER_ROW`` conversations per row, the second
+    half of each trained) turned into a micro-batch exactly as the step turns real ones.
+
+    Uses its own generator so that warming up does not consume the global RNG stream.
+    """
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), generator=gen)
+    tokens[tokens == eos_id] = (eos_id + 1) % vocab_size
+    segment = max(2, seq_len // SEGMENTS_PER_ROW)
+    cols = torch.arange(seq_len + 1)
+    tokens[:, (cols % segment == segment - 1) & (cols < seq_len)] = eos_id
+    mask = (cols % segment >= segment // 2).expand(micro_batch, -1).clone()
+    mask[:, 0] = False
+    return to_micro_batch({"tokens": tokens, "trainable_mask": mask}, device, eos_id)
+
+
+def compile_and_warm_up(
+    base_model: nn.Module, settings: StepSettings, micro_batch: int, seq_len: int, **compile_args
+) -> nn.Module | None:
+    """The compiled model, warmed up on every rank; None (on every rank) if compiling failed
+    anywhere, then the run trains eagerly.
+
+    Raises:
+        AttentionBackendError: on every rank, when the warm-up failed on some rank because of
+            the attention backend (or fails eagerly too): no execution mode would train.
+    """
+    info = settings.info
+    recompiles = _recompile_log()
+    compile_error = backend_error = ""
+    compiled = None
+    try:
+        log.info("compile warm-up started (%s)", compile_args)
+        started = time.monotonic()
+        frames, breaks = dynamo_counts()
+        maybe_inject("compile_warmup", info.rank)
+        compiled = torch.compile(base_model, **compile_args)
+        mb = warmup_batch(
+            base_model.cfg.vocab_size, micro_batch, seq_len, settings.eos_id, info.device
+        )
+        try:
+            forward_backward(compiled, mb, settings.loss, info.world_size / mb.targets)
+        except Exception as exc:  # which one failed: the compiler or the model?
+            backend_error = _backend_failure(exc, base_model, mb, settings)
+            raise
+        frames_after, breaks_after = dynamo_counts()
+        log.info(
+            "compile warm-up done in %.1fs: %d frame(s) compiled, %d graph break(s)",
+            time.monotonic() - started,
+            frames_after - frames,
+            breaks_after - breaks,
+        )
+        if breaks_after > breaks:
+            log.warning("the compiled training forward breaks; TORCH_LOGS=graph_breaks says where")
+    except Exception as exc:  # decided together below
+        compile_error = f"{type(exc).__name__}: {exc}"
+    finally:
+        base_model.zero_grad(set_to_none=True)
+    backend_errors = collect_rank_errors(info, backend_error)
+    if backend_errors:
+        raise AttentionBackendError(
+            f"the attention backend (attn_impl={base_model.cfg.attn_impl!r}) fails in the "
+            "compile warm-up, eagerly too: not a compile failure; choose another attn_impl: "
+            + " | ".join(backend_errors)
+        )
+    errors = collect_rank_errors(info, compile_error)
+    if errors:
+        log.warning("torch.compile disabled on every rank: %s", " | ".join(errors))
+        return None
+    recompiles.armed = True
+    return compiled
+
+
+def _backend_failure(
+    exc: BaseException, base_model: nn.Module, mb: MicroBatch, settings: StepSettings
+) -> str:
+    """Why the warm-up failed if not because of the compiler ("" for a compile failure): an
+    AttentionBackendError anywhere in the chain, or the same step failing eagerly."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, AttentionBackendError):
+            return f"{type(cause).__name__}: {cause}"
+        cause = cause.__cause__ or cause.__context__
+    base_model.zero_grad(set_to_none=True)
+    try:
+        forward_backward(base_model, mb, settings.loss, settings.info.world_size / mb.targets)
+    except Exception as eager_exc:
+        return f"{type(eager_exc).__name__}: {eager_exc}"
+    return ""

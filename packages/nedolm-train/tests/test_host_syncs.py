@@ -1,0 +1,55 @@
+"""A training step reads the device at most once (per optimizer step, not per micro-batch or
+per layer): the metadata of a micro-batch is derived on the CPU before it is copied over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nedolm.data.format import read_special_tokens
+from nedolm.data.loader import build_sft_loader
+from nedolm.dist import DistInfo
+from nedolm.model import build_model, preset
+from nedolm.train.step import LossOptions, StepSettings, train_step
+
+STEPS = 3
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts ``aten::_local_scalar_dense``: every ``.item()``, ``int()``, ``bool()`` of a
+    tensor, which on a GPU waits for the device to drain its queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_optimizer_step_reads_a_scalar_from_the_device_at_most_once(corpus: Path, harness):
+    special = read_special_tokens(corpus)
+    torch.manual_seed(0)
+    # The default dispatch: static shapes (sparse dispatch indexes tokens by class, a read).
+    dims = {**harness.TINY, "vocab_size": special.vocab_size, "morph_dispatch": "masked"}
+    model = build_model(preset("tiny", **dims))
+    loader, _ = build_sft_loader(corpus, harness.SEQ_LEN, micro_batch_size=2, seed=3)
+    batches = iter(loader)
+    settings = StepSettings(
+        DistInfo(0, 1, 0, torch.device("cpu")),
+        special.eos_id,
+        grad_accum_steps=2,
+        grad_clip=1.0,
+        loss=LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=False),
+    )
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)  # as the trainer's on CUDA
+    train_step(model, params, optimizer, batches, settings, step=0)  # lazy state, first calls
+    with ScalarReads() as reads:
+        for step in range(1, 1 + STEPS):
+            train_step(model, params, optimizer, batches, settings, step=step)
+    assert reads.count <= STEPS, f"{reads.count} scalar reads in {STEPS} optimizer steps"
