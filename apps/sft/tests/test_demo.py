@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from matplotlib import image
 
 from nedolm.data.format import Shard
@@ -42,7 +43,10 @@ def test_demo_runs_end_to_end(nedolm_sft: RunCli, tmp_path: Path) -> None:
         json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     validation = [r["val_loss"] for r in records if r.get("kind") == "validation"]
-    assert len(validation) >= 2
+    # A curve, not two points: at the start, every 20 // 6 = 3 steps and at the last step.
+    assert [r["step"] for r in records if r.get("kind") == "validation"] == [
+        0, 3, 6, 9, 12, 15, 18, 20
+    ]  # fmt: skip
     assert validation[-1] < validation[0]
     assert sorted((out / "run" / "checkpoints").glob("step-*.pt"))
 
@@ -79,6 +83,15 @@ def test_demo_runs_end_to_end(nedolm_sft: RunCli, tmp_path: Path) -> None:
     assert f"base {closed['base']}/3 → fine-tuned {closed['fine_tuned']}/3" in result.stdout
     assert "measures the chat format" in result.stdout and "tokens seen" in result.stdout
     assert "nedolm-sft export" in result.stdout
+
+    # OUT/base works on its own: it holds the tokenizer its config names, relative to it.
+    base = out / "base"
+    assert yaml.safe_load((base / "config.yaml").read_text())["tokenizer"] == "tokenizer.json.gz"
+    reply = nedolm_sft("generate", str(base), "--prompt", "Merhaba!", "--max-new-tokens", "8")
+    assert reply.returncode == 0 and reply.stdout.strip(), reply.stderr[-3000:]
+    exported = nedolm_sft("export", str(base), "--out", str(tmp_path / "base-export"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert (tmp_path / "base-export" / "tokenizer.json").is_file()
 
     # The generated config names nothing outside OUT: moved elsewhere, it runs from any
     # directory (here it extends the finished run by 2 steps).

@@ -19,6 +19,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import click
+import msgspec
 import torch
 import yaml
 
@@ -26,7 +27,8 @@ from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.data.format import Shard
 from nedolm.data.packing import plan_stored_shard
 from nedolm.model import generate
-from nedolm.train.config import load_sft_config
+from nedolm.train.base import BASE_CONFIG_FILE
+from nedolm.train.config import dump_config, load_run_config, load_sft_config
 from nedolm.train.metrics import read_metrics, split_metrics
 from nedolm.train.trainer import run as run_training
 from nedolm_sft.chat_model import ChatModel, load_base_chat_model, load_chat_model
@@ -40,6 +42,7 @@ HELDOUT_PROMPTS = "heldout_prompts.jsonl"
 SEQ_LEN = 512
 SHARDS = 8
 VALIDATION_SHARD = 7
+VALIDATION_PASSES = 6  # after the one at step 0: enough points to draw a validation curve
 REPLY_TOKENS = 128  # a reply that has not closed its message by then counts as not closed
 SHOWN_PROMPTS = 4  # prompts printed side by side; the figures use all of them
 COMPARISON_FILE = "comparison.json"
@@ -52,8 +55,9 @@ def sft_settings(steps: int, validation_windows: int) -> dict:
 
     Every path is relative to OUT, where the YAML is written beside its corpus, run and a copy
     of the base: the config keeps working after OUT (or the clone) moves, from any directory.
-    Validation reads the whole validation shard once (one window per micro-batch), so its first
-    pass is the base model's held-out assistant loss and its last the fine-tuned model's.
+    Validation reads the whole validation shard once (one window per micro-batch), at the start
+    and VALIDATION_PASSES times during the run, so its first pass is the base model's held-out
+    assistant loss, its last the fine-tuned model's, and the plot draws the curve between.
     """
     return {
         "run_dir": "run",
@@ -83,7 +87,7 @@ def sft_settings(steps: int, validation_windows: int) -> dict:
         },
         "validation": {
             "shard_ids": [VALIDATION_SHARD],
-            "interval": steps,
+            "interval": max(1, steps // VALIDATION_PASSES),
             "batches": validation_windows,
             "micro_batch_size": 1,
             "num_workers": 0,
@@ -210,12 +214,21 @@ def demo(out: Path, steps: int, prompts: int) -> None:
 
 
 def _copy_base(into: Path) -> None:
-    """Copy the shipped base into OUT (once), so the demo's config names no installed path."""
-    if (into / PRETRAINING_FILE).is_file():
+    """Copy the shipped base into OUT (once), so the demo's config names no installed path.
+
+    The copy holds its tokenizer and names it relative to itself (the shipped base shares the
+    tokenizer one level up): ``generate``, ``chat`` and ``export`` of OUT/base work on their own.
+    """
+    if (into / TOKENIZER).is_file():  # a copy made before it held its tokenizer is redone
         return
     tmp = into.with_name(into.name + ".tmp-copy")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(Path(str(DEFAULT_DIR / BASE)), tmp)
+    config = load_run_config(tmp / BASE_CONFIG_FILE)
+    (tmp / BASE_CONFIG_FILE).write_text(
+        dump_config(msgspec.structs.replace(config, tokenizer=TOKENIZER))
+    )
+    shutil.copyfile(Path(str(DEFAULT_DIR / TOKENIZER)), tmp / TOKENIZER)
     shutil.rmtree(into, ignore_errors=True)
     tmp.rename(into)
 
