@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nedolm.data.contract import CONTRACT_FILES
+
 RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
 
 
@@ -67,7 +69,11 @@ def test_run_on_an_unprepared_data_directory(nedolm_sft: RunCli, tmp_path: Path)
     )
     assert base.returncode == 0, base.stderr
     config = write_config(tmp_path / "sft.yaml")
-    assert_clear_error(nedolm_sft("run", str(config), cwd=tmp_path), "SPECIAL_TOKENS.json")
+    refused = nedolm_sft("run", str(config), cwd=tmp_path)
+    assert_clear_error(refused, "SPECIAL_TOKENS.json", "run `nedolm-sft prepare` first")
+    assert refused.returncode == 2 and not (tmp_path / "run").exists()
+    for name in CONTRACT_FILES:  # looks prepared, is not: fails in the run, with a traceback
+        (tmp_path / "data" / name).write_text("{}")
     loud = nedolm_sft("--debug", "run", str(config), cwd=tmp_path)
     assert loud.returncode != 0
     assert "Traceback" in loud.stderr

@@ -49,7 +49,7 @@ def test_relative_paths_resolve_against_the_yaml_dir(tmp_path: Path) -> None:
             MINIMAL.replace("optim: {}", "optim: {schedule: step}"),
             "`optim.schedule`: 'step' is not one of: constant, cosine, linear, wsd",
         ),
-        (MINIMAL.replace("optim: {}", "optim: {lr: 0}"), "lr must be > 0"),
+        (MINIMAL.replace("optim: {}", "optim: {lr: 0}"), "optim.lr must be a finite number > 0"),
         (MINIMAL.replace("train: {}", "train: {keep_last: 0}"), "keep_last must be >= 1"),
         (MINIMAL + "validatoin: {}\n", "unknown key `validatoin`; did you mean `validation`?"),
         (MINIMAL + "run_dri: x\n", "unknown key `run_dri`; did you mean `run_dir`?"),

@@ -10,6 +10,7 @@ config works from any current directory. Every default is documented in ``exampl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -17,14 +18,30 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import yaml
 
+from nedolm.data.contract import CONTRACT_FILES
 from nedolm.train.config_schema import OverrideError, apply_overrides, explain
 
 Schedule = Literal["cosine", "linear", "wsd", "constant"]
+DEFAULT_WARMUP_STEPS = 100
+PRECISION_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}
+"""torch's dtype names, accepted where the config says bf16/fp32 (as ``export --dtype``)."""
 _S = TypeVar("_S", bound=msgspec.Struct)
+CHAT_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".parquet")
+"""What ``prepare`` reads: found in a data_dir, they say it was never prepared."""
 
 
 class ConfigError(ValueError):
     """A config file is missing, unparsable, or holds an unknown or invalid key."""
+
+
+def _require(ok: bool, key: str, allowed: str, value: object) -> None:
+    """Refuse a value of the dotted config ``key`` unless ``ok`` (written so NaN fails)."""
+    if not ok:
+        raise ValueError(f"{key} must be {allowed}, got {value!r}")
+
+
+def _require_fraction(key: str, value: float) -> None:
+    _require(0.0 <= value <= 1.0, key, "in [0, 1]", value)
 
 
 class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -42,22 +59,47 @@ class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     grad_clip: float = 1.0
     """Max global gradient norm; a non-finite norm stops the run."""
     schedule: Schedule = "cosine"
-    warmup_steps: int = 100
-    """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over this many steps."""
+    warmup_steps: int | None = None
+    """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over this many steps (unset:
+    ``DEFAULT_WARMUP_STEPS``, or ``warmup_ratio`` of the steps when that is set)."""
+    warmup_ratio: float | None = None
+    """Warm-up as a fraction of the run's steps (rounded up), as Hugging Face's
+    ``warmup_ratio``; not together with ``warmup_steps``."""
     decay_fraction: float = 0.2
     """wsd only: fraction of the steps (after warm-up) spent in the final linear decay."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ValueError(f"decay_fraction must be in [0, 1], got {self.decay_fraction}")
-        if self.grad_clip <= 0:
-            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
+        _require(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "a finite number > 0", self.lr)
+        _require_fraction("optim.min_lr_ratio", self.min_lr_ratio)
+        for index, beta in enumerate(self.betas):
+            _require(0.0 <= beta < 1.0, f"optim.betas[{index}]", "in [0, 1)", beta)
+        _require(
+            math.isfinite(self.eps) and self.eps > 0, "optim.eps", "a finite number > 0", self.eps
+        )
+        _require(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "optim.weight_decay",
+            "a finite number >= 0",
+            self.weight_decay,
+        )
+        # .inf is allowed: no clipping, the norm is still measured and checked.
+        _require(self.grad_clip > 0, "optim.grad_clip", "> 0 (.inf: no clipping)", self.grad_clip)
+        if self.warmup_steps is not None:
+            _require(self.warmup_steps >= 0, "optim.warmup_steps", ">= 0", self.warmup_steps)
+        if self.warmup_ratio is not None:
+            _require_fraction("optim.warmup_ratio", self.warmup_ratio)
+            if self.warmup_steps is not None:
+                raise ValueError(
+                    f"give optim.warmup_steps ({self.warmup_steps}) or optim.warmup_ratio "
+                    f"({self.warmup_ratio}), not both"
+                )
+        _require_fraction("optim.decay_fraction", self.decay_fraction)
+
+    def warmup_for(self, max_steps: int) -> int:
+        """Warm-up steps of a schedule over ``max_steps`` steps."""
+        if self.warmup_ratio is not None:
+            return math.ceil(self.warmup_ratio * max_steps)
+        return DEFAULT_WARMUP_STEPS if self.warmup_steps is None else self.warmup_steps
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -88,8 +130,9 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """ddp replicates the model on every rank; fsdp shards parameters, gradients and AdamW
     states (FSDP2). Not part of the recipe: a run may resume under the other mode."""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """fsdp only: parameter/reduce dtype (auto: bf16 on CUDA, fp32 on CPU)."""
+    precision: Literal["auto", "bf16", "fp32", "bfloat16", "float32"] = "auto"
+    """fsdp only: parameter/reduce dtype (auto: bf16 on CUDA, fp32 on CPU); torch's names
+    bfloat16 and float32 are read as bf16 and fp32."""
     elastic: bool = False
     """Allow a resume with another world size, micro_batch_size or num_workers: the rest of
     the interrupted epoch is re-dealt over the new ranks (each target still once an epoch)."""
@@ -115,33 +158,35 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     before digests existed) instead of skipping it as unverifiable (``--trust-unverified``)."""
 
     def __post_init__(self) -> None:
-        positive = {
-            "micro_batch_size": self.micro_batch_size,
-            "grad_accum_steps": self.grad_accum_steps,
-            "log_interval": self.log_interval,
-            "ckpt_interval": self.ckpt_interval,
-            "control_interval": self.control_interval,
-            "keep_last": self.keep_last,
+        at_least = {
+            "micro_batch_size": (self.micro_batch_size, 1),
+            "grad_accum_steps": (self.grad_accum_steps, 1),
+            "prefetch_factor": (self.prefetch_factor, 1),
+            "log_interval": (self.log_interval, 1),
+            "ckpt_interval": (self.ckpt_interval, 1),
+            "control_interval": (self.control_interval, 1),
+            "keep_last": (self.keep_last, 1),
+            "num_epochs": (self.num_epochs, 1),
+            "num_workers": (self.num_workers, 0),
+            "max_steps": (self.max_steps, 0),
+            "keep_every": (self.keep_every, 0),
+            "ddp_bucket_cap_mb": (self.ddp_bucket_cap_mb, 1),
         }
-        for key, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
+        for key, (value, least) in at_least.items():
+            _require(value >= least, f"train.{key}", f">= {least}", value)
+        if self.seq_len is not None:
+            _require(self.seq_len >= 2, "train.seq_len", ">= 2", self.seq_len)
+        for key in ("max_hours", "archive_interval_hours"):
+            _require(getattr(self, key) >= 0, f"train.{key}", ">= 0 (0: off)", getattr(self, key))
         if self.ddp_static_graph and self.grad_accum_steps > 1:
             # torch DDP asserts (reducer expect_autograd_hooks_) when a static graph's first
             # step accumulates under no_sync.
             raise ValueError("ddp_static_graph cannot be combined with grad_accum_steps > 1")
-        if self.seq_len is not None and self.seq_len < 2:
-            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
-        if self.num_workers < 0 or self.max_steps < 0 or self.keep_every < 0:
-            raise ValueError("num_workers, max_steps and keep_every must be >= 0")
-        if self.num_epochs < 1:
-            raise ValueError(f"num_epochs must be >= 1, got {self.num_epochs}")
         if self.max_steps and self.num_epochs != 1:
             raise ValueError(
                 f"give max_steps ({self.max_steps}) or num_epochs ({self.num_epochs}), not both"
             )
-        if self.max_hours < 0 or self.archive_interval_hours < 0:
-            raise ValueError("max_hours and archive_interval_hours must be >= 0")
+        self.precision = PRECISION_ALIASES.get(self.precision, self.precision)
 
 
 class ValidationConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -165,12 +210,17 @@ class ValidationConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     at_start: bool = True
 
     def __post_init__(self) -> None:
-        if self.interval < 1 or self.batches < 1:
-            raise ValueError("validation interval and batches must be >= 1")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError("validation micro_batch_size must be >= 1")
-        if self.num_workers is not None and self.num_workers < 0:
-            raise ValueError("validation num_workers must be >= 0")
+        _require(self.interval >= 1, "validation.interval", ">= 1", self.interval)
+        _require(self.batches >= 1, "validation.batches", ">= 1", self.batches)
+        if self.micro_batch_size is not None:
+            _require(
+                self.micro_batch_size >= 1,
+                "validation.micro_batch_size",
+                ">= 1",
+                self.micro_batch_size,
+            )
+        if self.num_workers is not None:
+            _require(self.num_workers >= 0, "validation.num_workers", ">= 0", self.num_workers)
 
 
 class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -270,15 +320,26 @@ def load_sft_config(path: str | Path, overrides: Sequence[str] = ()) -> SFTConfi
 
 
 def check_run_paths(cfg: SFTConfig) -> None:
-    """Refuse, before a run dir is created, a corpus that is not there or a run dir inside it.
+    """Refuse, before a run dir is created, a corpus that is not there (or not prepared: raw
+    chat files) or a run dir inside it.
 
-    A missing ``data_dir`` would otherwise surface later as a missing contract file, after the
-    run dir was made; a run dir inside the corpus would write checkpoints among its shards.
+    A missing or unprepared ``data_dir`` would otherwise surface later as a missing contract
+    file, after the run dir was made; a run dir inside the corpus would write checkpoints among
+    its shards.
     """
     if not cfg.data_dir.is_dir():
         what = "is not a directory" if cfg.data_dir.exists() else "does not exist"
         raise ConfigError(
             f"data_dir {cfg.data_dir} {what}: prepare a corpus there first (nedolm-sft prepare)"
+        )
+    missing = [name for name in CONTRACT_FILES if not (cfg.data_dir / name).is_file()]
+    if missing:
+        chats = sorted(p.name for p in cfg.data_dir.iterdir() if p.suffix in CHAT_SUFFIXES)
+        held = f"holds chat files ({', '.join(chats[:3])}), " if chats else ""
+        raise ConfigError(
+            f"data_dir {cfg.data_dir} {held}not a prepared corpus (no {', '.join(missing)}): "
+            "run `nedolm-sft prepare` first (nedolm-sft prepare FILES --tokenizer ... --out "
+            "CORPUS) and set data_dir to CORPUS"
         )
     if cfg.run_dir.resolve().is_relative_to(cfg.data_dir.resolve()):
         raise ConfigError(

@@ -30,6 +30,9 @@ FREE_ON_RESUME = ("execution.parallelism", "execution.elastic")
 """Recorded, never refused: checkpoints convert between DDP and FSDP layouts."""
 ELASTIC_FREE = ("execution.world_size", "execution.num_workers", "training.recipe.micro_batch_size")
 """What ``train.elastic`` lets a resume change: the loader re-deals the rest of the epoch."""
+ELASTIC_HINT = (
+    "`train.elastic: true` resumes with another world size, micro_batch_size or num_workers"
+)
 
 
 class ResumeRefused(RuntimeError):
@@ -159,12 +162,14 @@ def check_resume(
     *,
     parts: Sequence[str] = ("dataset", "training", "execution"),
     free: Collection[str] = FREE_ON_RESUME,
+    hints: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse a resume whose dataset, training contract or execution mode changed.
 
     ``current`` maps each of ``parts`` ("dataset", "training", "execution") to the run's
     contract dict; the checkpoint holds the same dicts under "contract". Keys in ``free``
-    (dotted, e.g. ``execution.world_size``) may differ.
+    (dotted, e.g. ``execution.world_size``) may differ. ``hints`` maps a dotted key to the way
+    forward when it differs; the keys ``train.elastic`` frees always name it.
 
     Raises:
         ResumeRefused: naming the checkpoint and every differing key, e.g.
@@ -178,6 +183,10 @@ def check_resume(
         theirs = _with_new_model_fields(saved.get(part)) if part == "training" else saved.get(part)
         problems += [f"{part}.{d}" for d in _differences(theirs, dict(current[part]))]
     problems = [p for p in problems if p.split(":", 1)[0] not in free]
+    ways = {**dict.fromkeys(ELASTIC_FREE, ELASTIC_HINT), **(hints or {})}
+    problems = [
+        f"{p} ({ways[key]})" if (key := p.split(":", 1)[0]) in ways else p for p in problems
+    ]
     if problems:
         raise ResumeRefused(
             f"refusing to resume from {source}: the run changed since it was written: "

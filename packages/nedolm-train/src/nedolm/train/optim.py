@@ -51,19 +51,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
 def lr_at_step(step: int, cfg: OptimConfig, max_steps: int) -> float:
     """Learning rate of 0-based optimizer step ``step`` out of ``max_steps``.
 
-    Warm-up is linear from ``lr / warmup_steps`` (step 0) to ``lr`` (step ``warmup_steps - 1``);
-    afterwards the schedule runs over the remaining steps down to ``lr * min_lr_ratio`` at the
-    last step. ``wsd`` stays at ``lr`` and decays linearly over the last ``decay_fraction``.
+    Warm-up (``cfg.warmup_for(max_steps)`` steps, ``W``) is linear from ``lr / W`` (step 0) to
+    ``lr`` (step ``W - 1``); afterwards the schedule runs over the remaining steps down to
+    ``lr * min_lr_ratio`` at the last step. ``wsd`` stays at ``lr`` and decays linearly over
+    the last ``decay_fraction``.
     """
     if step < 0 or max_steps < 1:
         raise ValueError(f"need step >= 0 and max_steps >= 1, got {step}, {max_steps}")
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+    warmup = cfg.warmup_for(max_steps)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
     min_lr = cfg.lr * cfg.min_lr_ratio
-    span = max_steps - cfg.warmup_steps
+    span = max_steps - warmup
     if cfg.schedule == "constant" or span <= 1:
         return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / (span - 1))
+    progress = min(1.0, (step - warmup) / (span - 1))
     if cfg.schedule == "cosine":
         return min_lr + (cfg.lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if cfg.schedule == "linear":

@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from nedolm.data.atomic import atomic_write_bytes
-from nedolm.data.contract import validate_dataset_contract
+from nedolm.data.contract import (
+    PACKING_AUDIT_FILE,
+    DatasetContractError,
+    PackingAudit,
+    typed,
+    validate_dataset_contract,
+)
 from nedolm.data.loader import SFTLoader, build_sft_loader
 from nedolm.data.packing import discover_sft_shards
 from nedolm.data.roles import validate_roles
@@ -114,8 +120,13 @@ def prepare_run(
         "build model config",
         lambda: model_config(run_config, morph_dispatch=cfg.train.morph_dispatch),
     )
-    seq_len = cfg.train.seq_len or model_cfg.max_seq_len
-    all_rank_call(info, "check runtime", lambda: _check_runtime(model_cfg, seq_len, info.device))
+    corpus_seq_len = all_rank_call(info, "read corpus seq_len", lambda: audited_seq_len(cfg))
+    seq_len = cfg.train.seq_len or corpus_seq_len
+    all_rank_call(
+        info,
+        "check runtime",
+        lambda: _check_runtime(cfg, model_cfg, seq_len, corpus_seq_len, info.device),
+    )
     main_rank_call(info, "check corpus tokenizer", lambda: check_base_tokenizer(cfg, run_config))
     data = _prepare_data(cfg, info, run_config, model_cfg, seq_len)
     steps_per_epoch = _steps_per_epoch(cfg, info, data.stats)
@@ -213,10 +224,41 @@ def prepare_run(
     return run
 
 
-def _check_runtime(model_cfg: ModelConfig, seq_len: int, device: torch.device) -> None:
-    if seq_len > model_cfg.max_seq_len:
+def audited_seq_len(cfg: SFTConfig) -> int:
+    """The seq_len the corpus was prepared and audited at: ``train.seq_len``'s default."""
+    path = cfg.data_dir / PACKING_AUDIT_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DatasetContractError(
+            f"{path}: cannot read the corpus's packing audit: {exc}"
+        ) from exc
+    return typed(path, doc, PackingAudit).seq_len
+
+
+def _check_runtime(
+    cfg: SFTConfig,
+    model_cfg: ModelConfig,
+    seq_len: int,
+    corpus_seq_len: int,
+    device: torch.device,
+) -> None:
+    """Refuse a seq_len the model or the corpus cannot train at, saying which to change."""
+    longest = model_cfg.max_seq_len
+    if seq_len > longest:
+        fix = (
+            f"drop train.seq_len to train at the corpus's seq_len={corpus_seq_len}"
+            if corpus_seq_len <= longest
+            else f"prepare the corpus again with --seq-len {longest} or less"
+        )
         raise ValueError(
-            f"train.seq_len={seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
+            f"train.seq_len={seq_len} exceeds the model's max_seq_len={longest}: {fix}"
+        )
+    if seq_len != corpus_seq_len:
+        raise ValueError(
+            f"train.seq_len={seq_len} but the corpus {cfg.data_dir} was prepared at "
+            f"seq_len={corpus_seq_len}: drop train.seq_len (it defaults to the corpus's) or "
+            f"prepare the corpus again with --seq-len {seq_len}"
         )
     # Packed rows are only correct with segment isolation; refuse a backend that cannot run.
     resolve_attn_impl(model_cfg.attn_impl, device)
@@ -311,6 +353,14 @@ def _log_schedule(cfg: SFTConfig, info: DistInfo, max_steps: int, steps_per_epoc
         info.world_size,
         steps_per_epoch,
     )
+    warmup = cfg.optim.warmup_for(max_steps)
+    if warmup >= max_steps:
+        log.warning(
+            "warm-up of %d steps is as long as the run (%d steps): the lr never leaves the "
+            "warm-up ramp; lower optim.warmup_steps or give optim.warmup_ratio (e.g. 0.05)",
+            warmup,
+            max_steps,
+        )
 
 
 def _recipe(cfg: SFTConfig, model_cfg: ModelConfig, max_steps: int) -> dict[str, Any]:
@@ -326,9 +376,20 @@ def _recipe(cfg: SFTConfig, model_cfg: ModelConfig, max_steps: int) -> dict[str,
         "compile_requested": t.compile,
         "compile_mode": t.compile_mode,
         "compile_backend": t.compile_backend,
-        "optim": to_builtins(cfg.optim),
+        "optim": _optim_recipe(cfg),
         "model_config": dataclasses.asdict(model_cfg),
     }
+
+
+def _optim_recipe(cfg: SFTConfig) -> dict[str, Any]:
+    """The optimizer settings as the contract records them: an unset ``warmup_steps`` as the
+    number it stands for, and no ``warmup_ratio`` unless one is used, so that a run stores the
+    same recipe as one written before ``warmup_ratio`` existed."""
+    optim = to_builtins(cfg.optim)
+    if cfg.optim.warmup_ratio is None:
+        del optim["warmup_ratio"]
+        optim["warmup_steps"] = cfg.optim.warmup_for(0)  # independent of the run's length
+    return optim
 
 
 def _read_resume(
@@ -349,7 +410,13 @@ def _read_resume(
     extended = finished and wanted_steps > saved_steps
     if extended:
         free = (*free, "training.recipe.max_steps")
-    check_resume(state, contract, str(path), parts=("dataset", "training"), free=free)
+    hints = {}
+    if state.get("progress", {}).get("schedule_steps"):  # written by an extended run
+        hints["training.recipe.max_steps"] = (
+            f"this run was extended to {saved_steps} steps: continue it with "
+            f"--set train.max_steps={saved_steps} (or train.max_steps: {saved_steps} in the config)"
+        )
+    check_resume(state, contract, str(path), parts=("dataset", "training"), free=free, hints=hints)
     if extended:
         progress = state["progress"]
         progress["schedule_steps"] = progress.get("schedule_steps") or saved_steps
