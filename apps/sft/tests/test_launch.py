@@ -1,6 +1,7 @@
 """``nedolm-sft launch`` with real processes and real signals (2 gloo ranks): a SIGTERM to the
 launcher stops every rank on one checkpoint and exits 0, the resume reproduces the uninterrupted
-run exactly, and a stop that a rank did not survive exits 128 + SIGTERM naming why."""
+run exactly, a stop that a rank did not survive exits 128 + SIGTERM naming why, and a launcher
+killed outright takes its ranks with it on a checkpoint."""
 
 from __future__ import annotations
 
@@ -50,12 +51,27 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(latest_checkpoint(run_dir))["model"]
 
 
-def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_resumes_exactly(
-    corpus: Path, base: Path, tmp_path: Path
-) -> None:
-    reference = launch(write_stop_test_config(tmp_path / "reference.yaml", corpus, base))
-    reference.wait_ok()
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """Bitwise the uninterrupted run: every step's loss and the final weights."""
+    assert losses(run_dir) == losses(reference)
+    ours, theirs = final_weights(run_dir), final_weights(reference)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), f"{key} differs"
 
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base: Path) -> Path:
+    """The run dir of the uninterrupted 2-rank run of ``write_stop_test_config``."""
+    root = tmp_path_factory.mktemp("reference")
+    job = launch(write_stop_test_config(root / "reference.yaml", corpus, base))
+    job.wait_ok()
+    return job.run_dir
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_resumes_exactly(
+    corpus: Path, base: Path, tmp_path: Path, reference: Path
+) -> None:
     config = write_stop_test_config(tmp_path / "stopped.yaml", corpus, base)
     job = launch(config, env=SLOW_FETCH)
     job.wait_for_step(3)
@@ -73,11 +89,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_
     assert state["progress"]["step"] == step
 
     launch(config).wait_ok()  # same world size: exactly the uninterrupted 2-rank run
-    assert losses(job.run_dir) == losses(reference.run_dir)
-    ours, theirs = final_weights(job.run_dir), final_weights(reference.run_dir)
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), f"{key} differs"
+    assert_same_run(job.run_dir, reference)
 
     single = launch(config, nproc=1)  # another world size: refused, naming both
     assert single.wait() == 1
@@ -129,3 +141,36 @@ def test_sigusr1_slurms_warning_also_stops_cleanly_with_exit_0(
         job.output()
     )
     assert f"[rank 1] WARNING stop requested (SIGUSR1): stopped at step {step}" in job.output()
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for init to reap it has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_launcher_takes_its_ranks_with_it_and_a_relaunch_resumes_exactly(
+    corpus: Path, base: Path, tmp_path: Path, reference: Path
+) -> None:
+    config = write_stop_test_config(tmp_path / "orphaned.yaml", corpus, base)
+    job = launch(config, env=SLOW_FETCH)
+    job.wait_for_step(3)
+    ranks = [job.rank_pid(rank) for rank in (0, 1)]
+    os.kill(job.proc.pid, signal.SIGKILL)  # the launcher alone: its ranks have own sessions
+    killed = time.monotonic()
+    assert job.wait() == -signal.SIGKILL
+    while any(running(pid) for pid in ranks):
+        assert time.monotonic() - killed < 30, "a rank outlived its launcher by 30 s"
+        time.sleep(0.1)
+    out = job.output()
+    [(step, _)] = list_checkpoints(job.run_dir)
+    assert 3 <= step < MAX_STEPS, "the ranks trained on to the end instead of stopping"
+    for rank in (0, 1):  # each rank saw the launcher go, then took the SIGTERM stop path
+        assert f"[rank {rank}] nedolm: the launcher (pid {job.proc.pid}) is gone" in out
+        assert f"[rank {rank}] WARNING stop requested (SIGTERM): stopped at step {step}" in out
+
+    launch(config).wait_ok()  # at once: the run dir's lock was released with the ranks
+    assert_same_run(job.run_dir, reference)

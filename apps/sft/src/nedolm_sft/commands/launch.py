@@ -32,6 +32,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from nedolm.dist import LAUNCHER_PID_ENV
 from nedolm.train.signals import claim, tell
 from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, left_behind, verify_stop
 from nedolm.train.trainer import smoke_run_dir
@@ -88,6 +89,7 @@ def launch(argv: tuple[str, ...]) -> None:
     run_dir = smoke_run_dir(cfg.run_dir) if smoke else cfg.run_dir  # where the ranks write
     launch_id = uuid.uuid4().hex
     os.environ[LAUNCH_ID_ENV] = launch_id  # inherited by this node's workers
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers stop when this process dies
     args.module, args.training_script = True, "nedolm_sft"
     args.training_script_args = ["run", str(config), *args.training_script_args]
     signals = _LauncherSignals(args)

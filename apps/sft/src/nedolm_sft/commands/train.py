@@ -10,6 +10,7 @@ import yaml
 
 from nedolm.data.format import read_special_tokens
 from nedolm.data.tokenizer import TokenizerError, load_tokenizer
+from nedolm.dist import watch_launcher
 from nedolm.model import HFImportError, morph_classes_from_vocab, preset_names
 from nedolm.train.base import import_hf_base, init_base
 from nedolm.train.config import (
@@ -76,6 +77,7 @@ def run(
         config, overrides, trust_unverified=trust_unverified, print_config=print_config
     )
     if cfg is not None:
+        watch_launcher()  # under `launch`: its death stops this rank as a SIGTERM would
         run_training(cfg, smoke_steps=smoke_steps, compile=not no_compile)
 
 

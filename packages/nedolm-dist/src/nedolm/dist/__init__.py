@@ -29,10 +29,12 @@ from nedolm.dist.group import (
     is_main_rank,
     setup_distributed,
 )
+from nedolm.dist.launcher_watch import LAUNCHER_PID_ENV, watch_launcher
 from nedolm.dist.liveness import PeerLostError, lost_ranks, raise_if_peers_lost
 from nedolm.dist.log import MainRankFilter
 
 __all__ = [
+    "LAUNCHER_PID_ENV",
     "CollectiveError",
     "DistEnvError",
     "DistInfo",
@@ -59,4 +61,5 @@ __all__ = [
     "setup_distributed",
     "sum_all",
     "sync_control_flags",
+    "watch_launcher",
 ]
