@@ -25,7 +25,7 @@ def test_auto_on_cpu_is_sdpa_and_the_log_says_why_not_the_others(caplog) -> None
     message = record.getMessage()
     assert message.startswith("attn_impl auto: sdpa on cpu in torch.float32")
     assert "torch_varlen: torch.nn.attention.varlen needs a CUDA device" in message
-    assert "flex: backward failed the probe: NotImplementedError" in message
+    assert "flex: forward+backward probe failed: NotImplementedError" in message
     reasons = probe_backends("cpu")
     assert reasons["sdpa"] is None
     assert "NotImplementedError" in reasons["flex"]
@@ -68,8 +68,8 @@ def mixes_tokens_up(query, key, value, cu_seq_q):
     ("behaviour", "chosen", "rejection"),
     [
         (sdpa_computed, "torch_varlen", None),
-        (broken, "sdpa", "torch_varlen: forward failed the probe: RuntimeError: CUDA error"),
-        (mixes_tokens_up, "sdpa", "torch_varlen: forward failed the probe: output differs"),
+        (broken, "sdpa", "torch_varlen: forward+backward probe failed: RuntimeError: CUDA error"),
+        (mixes_tokens_up, "sdpa", "torch_varlen: forward+backward probe failed: output differs"),
     ],
 )
 def test_auto_takes_a_present_backend_only_when_its_probe_passes(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -33,19 +32,7 @@ _PROBE_HEADS, _PROBE_KV_HEADS, _PROBE_HEAD_DIM = 4, 2, 64  # GQA 2:1
 _HALF_TOLERANCE, _FLOAT_TOLERANCE = 2e-2, 1e-3  # relative L2 error vs the fp32 reference
 
 
-@dataclass(frozen=True)
-class ProbeResult:
-    """Why the probe's forward / backward failed (None: passed)."""
-
-    forward: str | None
-    backward: str | None
-
-    @property
-    def trains(self) -> bool:
-        return self.forward is None and self.backward is None
-
-
-_probed: dict[tuple[str, torch.device, torch.dtype], ProbeResult] = {}
+_probed: dict[tuple[str, torch.device, torch.dtype, bool], str | None] = {}
 _resolved: dict[tuple[str, torch.device, torch.dtype], str] = {}
 
 
@@ -58,25 +45,19 @@ def resolve_attn_impl(
 ) -> str:
     """The backend that runs `attn_impl` on `device` with `dtype` inputs.
 
-    `auto` is the first backend (in `BACKENDS` order) whose forward and backward probe passed.
-    A named backend must be present and pass its forward probe, and with `backward` (the
-    default: training) its backward probe. `dtype` defaults to the trainer's compute dtype:
-    bf16 on CUDA, else float32. Cached: after the first call this is one dict look-up.
+    `auto` is the first backend (in `BACKENDS` order) whose forward+backward probe passed. A
+    named backend must be present and pass its forward probe, and with `backward` (the default:
+    training) its forward+backward probe. `dtype` defaults to the trainer's compute dtype: bf16
+    on CUDA, else float32. Cached: with `backward=False` (what the model's forward asks) a
+    repeated call is one dict look-up, which compiled graphs trace without a break.
 
     Raises:
         AttentionBackendError: unknown name, or the backend cannot run here (with the reason).
     """
     device, dtype = _normalize(device, dtype)
     name = _resolved.get((attn_impl, device, dtype))
-    if name is None:
-        name = _resolve_uncached(attn_impl, device, dtype)
-    if backward and attn_impl != "auto":
-        why_not = probe(name, device, dtype).backward
-        if why_not is not None:
-            raise AttentionBackendError(
-                f"attn_impl={name!r} cannot train on {device} in {dtype}: its backward "
-                f"failed the start-up probe: {why_not}"
-            )
+    if name is None or (backward and attn_impl != "auto"):
+        name = _resolve_uncached(attn_impl, device, dtype, backward)
     return name
 
 
@@ -88,11 +69,15 @@ def probe_backends(
     return {name: _why_not_trainable(name, device, dtype) for name in BACKENDS}
 
 
-def probe(name: str, device: torch.device, dtype: torch.dtype) -> ProbeResult:
-    """Run (once per process) `name`'s forward and backward on tiny packed inputs."""
-    key = (name, device, dtype)
+def probe(name: str, device: torch.device, dtype: torch.dtype, *, backward: bool) -> str | None:
+    """Why `name` failed on tiny packed inputs (None: it passed); run once per process.
+
+    With `backward` the forward runs under autograd and its input gradients are checked too;
+    without, the forward runs under no_grad (FlexAttention on CPU runs only so).
+    """
+    key = (name, device, dtype, backward)
     if key not in _probed:
-        _probed[key] = _run_probe(name, device, dtype)
+        _probed[key] = _run_probe(name, device, dtype, backward)
     return _probed[key]
 
 
@@ -108,7 +93,9 @@ def _normalize(
 
 
 @torch.compiler.disable  # probes run eagerly even when first reached from a compiled forward
-def _resolve_uncached(attn_impl: str, device: torch.device, dtype: torch.dtype) -> str:
+def _resolve_uncached(
+    attn_impl: str, device: torch.device, dtype: torch.dtype, backward: bool
+) -> str:
     if attn_impl == "auto":
         name = _choose(device, dtype)
     elif attn_impl not in BACKENDS:
@@ -118,10 +105,15 @@ def _resolve_uncached(attn_impl: str, device: torch.device, dtype: torch.dtype) 
     else:
         name = attn_impl
         reason = attention_backends(device)[name]
-        if reason is None:
-            reason = probe(name, device, dtype).forward
+        if reason is None and (why := probe(name, device, dtype, backward=False)) is not None:
+            reason = f"its start-up forward probe failed ({device}, {dtype}): {why}"
         if reason is not None:
             raise AttentionBackendError(f"attn_impl={name!r} cannot run here: {reason}")
+        if backward and (why := probe(name, device, dtype, backward=True)) is not None:
+            raise AttentionBackendError(
+                f"attn_impl={name!r} cannot train on {device} in {dtype}: its start-up "
+                f"forward+backward probe failed: {why}"
+            )
     _resolved[(attn_impl, device, dtype)] = name
     return name
 
@@ -142,17 +134,12 @@ def _choose(device: torch.device, dtype: torch.dtype) -> str:
 
 def _why_not_trainable(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
     reason = attention_backends(device)[name]
-    if reason is not None:
-        return reason
-    result = probe(name, device, dtype)
-    if result.forward is not None:
-        return f"forward failed the probe: {result.forward}"
-    if result.backward is not None:
-        return f"backward failed the probe: {result.backward}"
-    return None
+    if reason is None and (why := probe(name, device, dtype, backward=True)) is not None:
+        reason = f"forward+backward probe failed: {why}"
+    return reason
 
 
-def _run_probe(name: str, device: torch.device, dtype: torch.dtype) -> ProbeResult:
+def _run_probe(name: str, device: torch.device, dtype: torch.dtype, backward: bool) -> str | None:
     gen = torch.Generator().manual_seed(0)
     T = sum(_PROBE_LENGTHS)
     shapes = ((T, _PROBE_HEADS, _PROBE_HEAD_DIM), *[(T, _PROBE_KV_HEADS, _PROBE_HEAD_DIM)] * 2)
@@ -160,34 +147,24 @@ def _run_probe(name: str, device: torch.device, dtype: torch.dtype) -> ProbeResu
     grad_THK = torch.randn(shapes[0], generator=gen)
     cu_seqlens = torch.tensor([0, *itertools.accumulate(_PROBE_LENGTHS)], dtype=torch.int32)
     tolerance = _HALF_TOLERANCE if dtype in (torch.float16, torch.bfloat16) else _FLOAT_TOLERANCE
-    # Outside any autocast or inference mode a caller may be in.
-    with torch.inference_mode(False), torch.autocast(device.type, enabled=False):
-        with torch.enable_grad():
-            want = _reference(*exact, grad_THK)
-        inputs = [t.to(device, dtype) for t in exact]
-
-        def attend() -> Tensor:
-            return varlen_attention(*inputs, build_layout(name, cu_seqlens.to(device), None, T))
-
-        try:  # without autograd first: a backend may only run forward (flex on CPU)
-            with torch.no_grad():
-                forward = _mismatch("output", attend(), want[0], tolerance)
-        except Exception as error:  # any failure rejects the backend; the reason is kept
-            forward = _describe(error)
-        if forward is not None:
-            return ProbeResult(forward, "not run: the forward failed")
+    # Outside any autocast, inference mode or grad mode a caller may be in.
+    with (
+        torch.inference_mode(False),
+        torch.autocast(device.type, enabled=False),
+        torch.set_grad_enabled(backward),
+    ):
+        want = _reference(*exact, grad_THK)
+        inputs = [t.to(device, dtype).requires_grad_(backward) for t in exact]
         try:
-            with torch.enable_grad():
-                for t in inputs:
-                    t.requires_grad_()
-                grads = torch.autograd.grad(attend(), inputs, grad_THK.to(device, dtype))
-        except Exception as error:
-            return ProbeResult(None, _describe(error))
-    names = ("d query", "d key", "d value")
-    mismatches = (
-        _mismatch(n, g, w, tolerance) for n, g, w in zip(names, grads, want[1:], strict=True)
-    )
-    return ProbeResult(None, next((m for m in mismatches if m is not None), None))
+            layout = build_layout(name, cu_seqlens.to(device), None, T)
+            out = varlen_attention(*inputs, layout)
+            grads = torch.autograd.grad(out, inputs, grad_THK.to(device, dtype)) if backward else ()
+            got = (out, *grads)
+        except Exception as error:  # any failure rejects the backend; the reason is kept
+            return _describe(error)
+    names = ("output", "d query", "d key", "d value")
+    mismatches = (_mismatch(*case, tolerance) for case in zip(names, got, want, strict=False))
+    return next((m for m in mismatches if m is not None), None)
 
 
 def _reference(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, grad_THK: Tensor) -> tuple[Tensor, ...]:
@@ -198,11 +175,12 @@ def _reference(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, grad_THK: Tensor) ->
     allowed_TT = (segment_T[:, None] == segment_T[None, :]) & torch.ones(T, T).tril().bool()
     inputs = [t.clone().requires_grad_() for t in (q_THK, k_TGK, v_TGK)]
     n_rep = H // k_TGK.size(1)
-    q, k, v = (t.transpose(0, 1) for t in inputs)
-    k, v = k.repeat_interleave(n_rep, dim=0), v.repeat_interleave(n_rep, dim=0)
-    scores = (q @ k.transpose(1, 2) / math.sqrt(K)).masked_fill(~allowed_TT, float("-inf"))
-    out_THK = (scores.softmax(-1) @ v).transpose(0, 1)
-    grads = torch.autograd.grad(out_THK, inputs, grad_THK)
+    with torch.enable_grad():
+        q, k, v = (t.transpose(0, 1) for t in inputs)
+        k, v = k.repeat_interleave(n_rep, dim=0), v.repeat_interleave(n_rep, dim=0)
+        scores = (q @ k.transpose(1, 2) / math.sqrt(K)).masked_fill(~allowed_TT, float("-inf"))
+        out_THK = (scores.softmax(-1) @ v).transpose(0, 1)
+        grads = torch.autograd.grad(out_THK, inputs, grad_THK)
     return (out_THK.detach(), *grads)
 
 
