@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -243,7 +244,7 @@ class Trainer:
                 rank0_archive_due=archive_due, local_stop=self._local_stop()
             )
         if at_control_point or is_last:  # a failed background write stops every rank here
-            self._collect_background_write(block=is_last)
+            self.collect_background_write(block=is_last)
         if not (stop or archive or done % t.ckpt_interval == 0 or is_last):
             return False
         with self._untimed():
@@ -264,7 +265,7 @@ class Trainer:
         run, state = self.run, self.state
         done = state.progress.step
         started = time.monotonic()
-        self._collect_background_write(block=True)
+        self.collect_background_write(block=True)
         log.info("writing checkpoint at step %d", done)
 
         def rank_state() -> dict:
@@ -318,14 +319,15 @@ class Trainer:
 
         def stage_and_submit() -> None:
             payload = self.staged.stage({**extra, **state.state_dict(ranks)})
-            self.background.submit(f"checkpoint-{done}", lambda: _write_named(write, payload, done))
+            path = checkpoint_path(run.cfg.run_dir, done)
+            self.background.submit(path.name, lambda: _write_named(write, payload, path))
 
         main_rank_call(run.info, f"stage checkpoint at step {done}", stage_and_submit)
         self.pending = (done, time.monotonic() - started)
         if wait:
-            self._collect_background_write(block=True)
+            self.collect_background_write(block=True)
 
-    def _collect_background_write(self, *, block: bool) -> None:
+    def collect_background_write(self, *, block: bool) -> None:
         """Rank 0's background write, once it has ended (``block``: wait for it): its times
         go to the log and metrics; its failure is raised on every rank, naming the file."""
         if self.pending is None:
@@ -366,7 +368,7 @@ class Trainer:
         """Weights and provenance only, for shipping or evaluating a snapshot."""
         run, state = self.run, self.state
         done = state.progress.step
-        self._collect_background_write(block=True)  # not two writes of the state at once
+        self.collect_background_write(block=True)  # not two writes of the state at once
         weights = full_model_state(state.model)  # a collective under FSDP; rank 0 holds it
 
         def write() -> None:
@@ -400,7 +402,7 @@ class Trainer:
         self.window_start = time.monotonic()
 
 
-def _write_named(write: Callable[[dict], None], payload: dict, step: int) -> None:
+def _write_named(write: Callable[[dict], None], payload: dict, path: Path) -> None:
     """``write(payload)``, a failure re-raised as a CheckpointError naming the file (a disk-full
     error already does): a background failure surfaces steps later, far from its cause."""
     try:
@@ -409,7 +411,7 @@ def _write_named(write: Callable[[dict], None], payload: dict, step: int) -> Non
         raise
     except Exception as exc:
         raise CheckpointError(
-            f"cannot write checkpoint at step {step}: {type(exc).__name__}: {exc}; "
+            f"cannot write checkpoint {path}: {type(exc).__name__}: {exc}; "
             "the previous checkpoints are intact"
         ) from exc
 
