@@ -9,7 +9,7 @@ import click
 import torch
 
 from nedolm_sft.chat_model import export_bundle, load_chat_model
-from nedolm_sft.commands.generate import data_dir_option
+from nedolm_sft.commands.generate import data_dir_option, dtype_option
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -17,13 +17,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory to write.")
-@click.option(
-    "--dtype",
-    type=click.Choice(sorted(DTYPES)),
-    default="float32",
-    show_default=True,
-    help="Weight dtype of the export.",
-)
+@dtype_option([], "float32", "Weight dtype of the export (bf16, fp32 and fp16 name the same).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing export directory.")
 @data_dir_option
 def export(run_dir: Path, out: Path, dtype: str, overwrite: bool, data_dir: Path | None) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -15,6 +17,30 @@ data_dir_option = click.option(
     help="For a base run: the prepared corpus whose tokenizer to use (needed after init-base).",
 )
 
+DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+"""torch's dtype names and the short ones the config uses (``train.precision: bf16``), each to
+torch's: a --dtype takes either."""
+
+
+def dtype_option(choices: list[str], default: str, description: str) -> Callable[..., Any]:
+    """A --dtype option taking ``choices`` plus DTYPE_NAMES' aliases; the value is torch's name."""
+    return click.option(
+        "--dtype",
+        type=click.Choice([*choices, *sorted(DTYPE_NAMES)]),
+        default=default,
+        show_default=True,
+        callback=lambda _ctx, _param, value: DTYPE_NAMES.get(value, value),
+        help=description,
+    )
+
+
 placement_options = [
     click.option(
         "--device",
@@ -22,12 +48,11 @@ placement_options = [
         show_default=True,
         help="cpu, cuda or cuda:N; auto = cuda when available, else cpu.",
     ),
-    click.option(
-        "--dtype",
-        type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-        default="auto",
-        show_default=True,
-        help="Weights and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+    dtype_option(
+        ["auto"],
+        "auto",
+        "Weights and KV cache dtype (bf16, fp32 and fp16 name the same); auto = bfloat16 on "
+        "CUDA, float32 on CPU.",
     ),
 ]
 sampling_options = [
