@@ -106,7 +106,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The training recipe and the loop's cadences."""
 
     seq_len: int | None = None
-    """Tokens per row (the model's max_seq_len when unset); must match the corpus audit."""
+    """Tokens per row; unset: the seq_len the corpus was prepared at, which it must match."""
     micro_batch_size: int = 8
     grad_accum_steps: int = 4
     max_steps: int = 0
