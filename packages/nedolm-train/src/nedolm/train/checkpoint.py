@@ -357,6 +357,7 @@ def read_model_checkpoint(path: Path) -> dict[str, Any]:
             )
         )
     if mismatch is not None:
+        del state  # the error's traceback must not keep the file mapped
         raise CheckpointError(f"{path} is corrupt: {mismatch}")
     return state
 
