@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from nedolm.dist import RankError
+from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
 from nedolm.train.config import load_sft_config
 from nedolm.train.metrics import read_metrics
 from nedolm.train.optim import lr_at_step
@@ -34,6 +35,12 @@ def _base(harness, tmp_path: Path, corpus: Path, max_seq_len: int) -> Path:
 def _config(harness, tmp_path: Path, corpus: Path, base: Path, **sections) -> Path:
     sections = {"validation": NO_VALIDATION, **sections}
     return harness.write_config(tmp_path / "run.yaml", corpus, base, tmp_path / "run", **sections)
+
+
+def stored_optim(run_dir: Path) -> dict:
+    """The optimizer recipe the newest checkpoint's contract holds."""
+    state = load_checkpoint(latest_checkpoint(run_dir))
+    return state["contract"]["training"]["recipe"]["optim"]
 
 
 def test_seq_len_defaults_to_the_corpus_s_not_the_model_s(harness, tmp_path, corpus) -> None:
@@ -88,6 +95,7 @@ def test_warmup_ratio_is_a_fraction_of_the_run(harness, tmp_path, corpus, base_r
     assert lrs == [lr_at_step(step, as_steps, 4) for step in range(4)]
     assert lrs[0] == pytest.approx(as_steps.lr / 2) and lrs[1] == pytest.approx(as_steps.lr)
     assert "warm-up of" not in (tmp_path / "run" / "train.log").read_text()
+    assert stored_optim(tmp_path / "run")["warmup_ratio"] == 0.5
 
 
 def test_a_warm_up_as_long_as_the_run_is_warned_about(harness, tmp_path, corpus, base_run) -> None:
@@ -97,6 +105,8 @@ def test_a_warm_up_as_long_as_the_run_is_warned_about(harness, tmp_path, corpus,
         "WARNING warm-up of 3 steps is as long as the run (2 steps): the lr never leaves the "
         "warm-up ramp; lower optim.warmup_steps or give optim.warmup_ratio"
     ) in (tmp_path / "run" / "train.log").read_text()
+    stored = stored_optim(tmp_path / "run")  # as every version before warmup_ratio stored it,
+    assert "warmup_ratio" not in stored and stored["warmup_steps"] == 3  # so their runs resume
 
 
 @pytest.mark.parametrize(
