@@ -30,15 +30,13 @@ def document_block_mask(cu_seqlens: Tensor, n_tokens: int) -> BlockMask:
     # Segment id per position; the padding past n_tokens forms one more segment of its own.
     doc_Q = torch.searchsorted(cu_seqlens[1:].contiguous(), positions_Q, right=True)
     first_b, last_b = doc_Q.view(n_blocks, BLOCK)[:, 0], doc_Q.view(n_blocks, BLOCK)[:, -1]
-    blocks = torch.arange(n_blocks, device=device)
-    below = blocks[None, :] < blocks[:, None]  # [q block, kv block]: kv block strictly earlier
+    kv_b = torch.arange(n_blocks, device=device)
+    q_b1 = kv_b[:, None]
     # Ids rise along the row, so block ranges overlap iff the kv block's last id reaches the
     # query block's first, and a pair is all one segment iff the kv block's first id is the
-    # query block's last.
-    visible = (below | torch.eye(n_blocks, dtype=torch.bool, device=device)) & (
-        last_b[None, :] >= first_b[:, None]
-    )
-    full = below & (first_b[None, :] == last_b[:, None])
+    # query block's last (then a kv block strictly earlier is visible in full).
+    visible = (kv_b <= q_b1) & (last_b[None, :] >= first_b[:, None])
+    full = (kv_b < q_b1) & (first_b[None, :] == last_b[:, None])
 
     def same_segment_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc_Q[q_idx] == doc_Q[kv_idx]) & (q_idx >= kv_idx)
