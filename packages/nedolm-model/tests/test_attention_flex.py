@@ -92,3 +92,26 @@ def test_one_mask_per_forward_and_one_flex_call_per_layer(monkeypatch, make_mode
         model(input_ids, cu_seqlens=torch.tensor([0, 7, 40, 41, 80], dtype=torch.int32))
     assert len(masks) == 1
     assert len(calls) == 3 and all(mask is masks[0] for mask in calls)
+
+
+def test_compiled_flex_reuses_its_graph_for_new_packings() -> None:
+    """Mask building and the flex call trace once; new packings are new tensor values only."""
+
+    def attend(q, k, v, cu_seqlens):
+        return varlen_attention(q, k, v, build_layout("flex", cu_seqlens, None, q.size(0)))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="eager")
+    graphs = []
+    for lengths in ([5, 1, 9, 30, 255], [100, 100, 50, 40, 10], [150, 150], [3] * 100):
+        total = sum(lengths)
+        cu_seqlens = cu_seqlens_of(lengths)
+        q, k, v = torch.randn(total, 4, 16), torch.randn(total, 2, 16), torch.randn(total, 2, 16)
+        with torch.no_grad():
+            got = compiled(q, k, v, cu_seqlens)
+            want = varlen_attention(q, k, v, build_layout("sdpa", cu_seqlens, None, total))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    # The second packing has the first's segment count: no recompile; the third's new count
+    # makes that dimension dynamic once; the fourth reuses it.
+    assert graphs[0] == graphs[1] and graphs[2] == graphs[3], graphs
