@@ -1,7 +1,6 @@
 """tools/pretrain_demo_base.py: the shipped demo base is what its recipe says, and the tool works.
 
-The shipped base is loaded through the normal base-run path (``resolve_base_checkpoint`` +
-``load_base_state``) and scored on the held-out slice stored beside it; the figure must match
+The shipped base is loaded through the normal base-run path (``read_base_weights``) and scored on the held-out slice stored beside it; the figure must match
 the one RECIPE.md records. The tool itself runs for a couple of steps on the data package's
 small copy of the chat files, in a real process, and must leave a complete base or nothing.
 """
@@ -22,8 +21,8 @@ import pytest
 
 from nedolm.data.tokenizer import build_special_tokens, load_tokenizer
 from nedolm.model import MorphTransformer, build_model
-from nedolm.train.base import model_config, resolve_base_checkpoint
-from nedolm.train.base_weights import load_base_state
+from nedolm.train.base import model_config
+from nedolm.train.base_weights import read_base_weights
 from nedolm.train.config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +47,7 @@ def tool() -> ModuleType:
 def load_base(base_dir: Path) -> MorphTransformer:
     """The way SFT loads a base run: its config, then its newest weights."""
     model = build_model(model_config(load_run_config(base_dir / "config.yaml")))
-    model.load_state_dict(load_base_state(resolve_base_checkpoint(base_dir, None)))
+    model.load_state_dict(read_base_weights(base_dir)[1])
     return model
 
 

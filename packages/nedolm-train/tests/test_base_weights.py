@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from nedolm.model import build_model
-from nedolm.train.base import init_base, model_config, resolve_base_checkpoint
-from nedolm.train.base_weights import SAFETENSORS_WEIGHTS, base_weights_file, load_base_state
+from nedolm.train.base import init_base, model_config
+from nedolm.train.base_weights import SAFETENSORS_WEIGHTS, load_base_state, read_base_weights
 from nedolm.train.checkpoint import CheckpointError, load_checkpoint
 from nedolm.train.config import load_run_config
 
@@ -33,10 +33,10 @@ def safetensors_base(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def test_safetensors_base_loads_through_the_base_path(tmp_path: Path) -> None:
     base, stored = safetensors_base(tmp_path)
-    path = resolve_base_checkpoint(base, None)
+    path, state = read_base_weights(base)
     assert path == base / SAFETENSORS_WEIGHTS
     model = build_model(model_config(load_run_config(base / "config.yaml")))
-    model.load_state_dict(load_base_state(path))
+    model.load_state_dict(state)
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == (torch.float32 if tensor.is_floating_point() else tensor.dtype)
         torch.testing.assert_close(tensor, stored[name].to(tensor.dtype), rtol=0, atol=0)
@@ -45,12 +45,12 @@ def test_safetensors_base_loads_through_the_base_path(tmp_path: Path) -> None:
 def test_a_checkpoint_wins_over_the_safetensors_file(tmp_path: Path) -> None:
     base, _ = safetensors_base(tmp_path)
     checkpoint = init_base(base, preset_name="tiny", vocab_size=300, eos_id=2, overrides=SMALL)
-    assert base_weights_file(base) == checkpoint
+    assert read_base_weights(base)[0] == checkpoint
 
 
 def test_a_base_without_weights_names_both_places(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"checkpoints and no .*model\.safetensors"):
-        resolve_base_checkpoint(tmp_path, None)
+        read_base_weights(tmp_path)
 
 
 def test_an_unreadable_safetensors_file_is_named(tmp_path: Path) -> None:

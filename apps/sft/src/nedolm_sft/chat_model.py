@@ -33,8 +33,8 @@ from nedolm.data.tokenizer import (
 )
 from nedolm.model import ModelConfig, MorphTransformer, build_model, export_hf, generate, load_hf
 from nedolm.model.hf import TokenIds
-from nedolm.train.base import BASE_CONFIG_FILE, model_config, resolve_base_checkpoint
-from nedolm.train.base_weights import load_base_state
+from nedolm.train.base import BASE_CONFIG_FILE, model_config
+from nedolm.train.base_weights import read_base_weights
 from nedolm.train.checkpoint import newest_model_checkpoint
 from nedolm.train.config import load_run_config
 from nedolm.train.state import load_model_weights
@@ -164,11 +164,12 @@ def load_base_chat_model(base_run_dir: Path, data_dir: Path | None = None) -> Ch
     without ``data_dir`` the tokenizer the base run names (``import-hf`` copies it in)."""
     base = load_run_config(base_run_dir / BASE_CONFIG_FILE)
     try:
-        weights = resolve_base_checkpoint(base_run_dir, None)
+        weights, state = read_base_weights(base_run_dir)
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc)) from exc
     model = build_model(model_config(base, morph_dispatch="sparse", attn_impl="sdpa"))
-    model.load_state_dict(load_base_state(weights))
+    model.load_state_dict(state)
+    del state  # nothing of the checkpoint stays mapped
     if data_dir is not None:
         return _with_corpus_tokenizer(model, data_dir, weights)
     if base.tokenizer is None:

@@ -21,7 +21,7 @@ import torch
 from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.tokenizer import HF_TOKENIZER_FILE, copy_tokenizer_files, load_tokenizer
 from nedolm.model import ModelConfig, MorphTransformer, build_model, preset
-from nedolm.train.base_weights import SAFETENSORS_WEIGHTS, base_weights_file, load_base_state
+from nedolm.train.base_weights import read_base_weights
 from nedolm.train.checkpoint import save_checkpoint
 from nedolm.train.config import RunConfig, SFTConfig, load_run_config
 from nedolm.train.hf_base import check_corpus_tokenizer, hf_base_config, load_hf_base
@@ -64,24 +64,11 @@ def load_base_weights(cfg: SFTConfig, model: MorphTransformer) -> Path:
     """Load the base into ``model``; returns the checkpoint file or HF directory it came from."""
     if cfg.base_hf_dir is None:
         assert cfg.base_run_dir is not None
-        path = resolve_base_checkpoint(cfg.base_run_dir, cfg.base_checkpoint)
-        model.load_state_dict(load_base_state(path))
+        path, state = read_base_weights(cfg.base_run_dir, cfg.base_checkpoint)
+        model.load_state_dict(state)
         return path
     model.load_state_dict(load_hf_base(cfg.base_hf_dir, cfg.base_morph_expert_dim).state_dict())
     return cfg.base_hf_dir
-
-
-def resolve_base_checkpoint(base_run_dir: Path, explicit: Path | None) -> Path:
-    """``explicit`` if given, else the base run's newest checkpoint or model.safetensors."""
-    candidate = explicit if explicit is not None else base_weights_file(base_run_dir)
-    if candidate is None:
-        raise FileNotFoundError(
-            f"no base checkpoint under {base_run_dir}/checkpoints and no "
-            f"{base_run_dir}/{SAFETENSORS_WEIGHTS}"
-        )
-    if not candidate.is_file():
-        raise FileNotFoundError(f"base checkpoint {candidate} does not exist")
-    return candidate
 
 
 def init_base(

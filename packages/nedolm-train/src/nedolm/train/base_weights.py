@@ -20,13 +20,32 @@ from nedolm.train.checkpoint import CheckpointError, newest_model_checkpoint, re
 SAFETENSORS_WEIGHTS = "model.safetensors"
 
 
-def base_weights_file(base_run_dir: Path) -> Path | None:
-    """The newest ``checkpoints/step-*.pt`` of ``base_run_dir``, else its ``model.safetensors``."""
-    newest = newest_model_checkpoint(base_run_dir)  # only its model is read and verified
+def read_base_weights(
+    base_run_dir: Path, explicit: Path | None = None
+) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The base's weights file and its model state dict, each file read once: ``explicit`` if
+    given, else the newest ``checkpoints/step-*.pt`` whose model verifies (only the model is
+    read), else ``model.safetensors``. A checkpoint's tensors are mapped: copy them out
+    (``load_state_dict``) and drop the dict.
+
+    Raises:
+        FileNotFoundError: no weights, naming both places (or the missing explicit file).
+        CheckpointError: the file cannot be read; the message names it.
+    """
+    if explicit is not None:
+        if not Path(explicit).is_file():
+            raise FileNotFoundError(f"base checkpoint {explicit} does not exist")
+        return explicit, load_base_state(explicit)
+    newest = newest_model_checkpoint(base_run_dir)
     if newest is not None:
-        return newest[0]
+        return newest[0], newest[1]["model"]
     weights = Path(base_run_dir) / SAFETENSORS_WEIGHTS
-    return weights if weights.is_file() else None
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"no base checkpoint under {base_run_dir}/checkpoints and no "
+            f"{base_run_dir}/{SAFETENSORS_WEIGHTS}"
+        )
+    return weights, load_base_state(weights)
 
 
 def load_base_state(path: Path) -> dict[str, torch.Tensor]:
