@@ -69,7 +69,8 @@ def test_max_hours_checkpoints_and_returns(make_config) -> None:
     config = make_config(train={"max_hours": 1e-9, "control_interval": 3})
     run(load_sft_config(config), compile=False)
     run_dir = config.with_suffix("")
-    assert [s for s, _ in list_checkpoints(run_dir)] == [3]  # the first control point
+    # Over time at step 1's fetch: the limit rides that step's all-reduce, not a control point.
+    assert [s for s, _ in list_checkpoints(run_dir)] == [1]
     assert "stop requested (max_hours)" in (run_dir / "train.log").read_text(encoding="utf-8")
 
 
