@@ -39,6 +39,7 @@ HAS_TORCH_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not 
 varlen_attn = None
 if HAS_TORCH_VARLEN and torch.cuda.is_available():
     from torch.nn.attention.varlen import varlen_attn
+_varlen_parameters: dict[Any, frozenset[str]] = {}  # per varlen_attn: its parameter names
 
 BACKENDS = ("flash", "torch_varlen", "flex", "sdpa")  # auto's order of preference
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -181,7 +182,7 @@ def _torch_varlen(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu: Tensor, max_l
     (query head h reads KV head h // n_rep, as SDPA's GQA does), correct whatever the kernel
     accepts.
     """
-    params = inspect.signature(varlen_attn).parameters
+    params = _varlen_keywords()
     if "enable_gqa" in params:
         return varlen_attn(
             q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True
@@ -193,6 +194,16 @@ def _torch_varlen(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu: Tensor, max_l
         {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     )
     return varlen_attn(q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, **causal)
+
+
+def _varlen_keywords() -> frozenset[str]:
+    """`varlen_attn`'s parameter names, read once per kernel (inspect costs ~50 us a call)."""
+    names = _varlen_parameters.get(varlen_attn)
+    if names is None:
+        names = _varlen_parameters[varlen_attn] = frozenset(
+            inspect.signature(varlen_attn).parameters
+        )
+    return names
 
 
 def _sdpa_grouped(
