@@ -1,18 +1,59 @@
 #!/usr/bin/env bash
-# CUDA checks of nedolm-model, one command, under 8 minutes on an H100/H200:
-#   1. attention backend agreement in bf16 (logits, loss, every gradient vs sdpa);
-#   2. training-step tokens/s and MFU of nedolm-0.8b at seq_len 4096 per available backend,
-#      eager and compiled.
-# Runs from a plain checkout (no install needed beyond torch, safetensors; flash-attn optional).
-# Usage: bench/gpu.sh [bench/model_gpu.py flags, e.g. --batch 2 --dispatch sparse]
+# The GPU bench of the product, one command, under 8 minutes on an H100/H200:
+#   a. attention backend agreement (bench/model_gpu.py: logits, loss, every gradient vs sdpa);
+#   b. the model step per backend, eager and compiled (bench/model_gpu.py);
+#   c. the real `nedolm-sft run` on a prepared real corpus at seq_len 4096 (bench/trainer_gpu.py):
+#      tokens/s and MFU from metrics.jsonl, first step, trainer / model-step, top-15 CUDA kernels;
+#   d. transformers' LlamaForCausalLM of the same dense shape;
+#   e. `nedolm-sft launch --nproc-per-node 1` with ddp and fsdp (NCCL).
+# Every table goes to one file (--out, default bench/gpu_results.md) and to stdout.
+# Runs from a plain checkout: the five src folders go on PYTHONPATH (no install); needs torch,
+# numpy, pyyaml, click, safetensors, tokenizers, msgspec; transformers for (d), flash-attn optional.
+#
+# Usage: bench/gpu.sh [--smoke] [--out FILE] [-- bench/trainer_gpu.py flags, e.g. --data f.jsonl]
+#   --smoke: every section on the CPU with a tiny model in about a minute (CI runs it); the parts
+#   that need CUDA say so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
-export PYTHONPATH="packages/nedolm-model/src${PYTHONPATH:+:$PYTHONPATH}"
+SRC="packages/nedolm-data/src:packages/nedolm-model/src:packages/nedolm-dist/src"
+export PYTHONPATH="$SRC:packages/nedolm-train/src:apps/sft/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+export PYTHONUNBUFFERED=1
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-"$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")'
-# The script stops starting new configurations after --budget-s (default 420 s); the hard
-# timeout only guards against a hang.
-timeout 470 "$PYTHON" bench/model_gpu.py "$@"
+smoke=0
+out=bench/gpu_results.md
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --smoke) smoke=1; shift ;;
+        --out) out=$2; shift 2 ;;
+        --) shift; break ;;
+        *) break ;;
+    esac
+done
+
+# Each script stops starting new sections after its --budget-s; the hard timeouts only guard
+# against a hang (170 + 290 s: under 8 minutes together).
+if [[ $smoke == 1 ]]; then
+    model_args=(--device cpu --preset tiny --seq-len 128 --batch 1 --steps 1 --budget-s 10)
+    trainer_args=(--smoke --budget-s 90)
+    {
+        echo "# bench/gpu.sh --smoke (CPU: checks the script, measures nothing)"
+        echo
+    } >"$out"
+else
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")'
+    model_args=(--budget-s 120)
+    trainer_args=(--budget-s 200)
+    {
+        echo "# bench/gpu.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+        echo
+    } >"$out"
+fi
+
+status=0
+timeout 170 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
+timeout 290 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
+echo "tables written to $out"
+exit $status

@@ -10,10 +10,9 @@
    compiled on its own: one compiled graph serves all blocks, so compile takes seconds, not
    minutes); a failing configuration prints its error row.
 
-MFU counts the FLOPs the model needs: 6 x matmul parameters per token (one morph expert per
-token, not the three that `masked` dispatch runs), 6 x vocab x d_model per *target* token (the
-fused head skips the rest) and causal attention, 12 x d_model per (query, visible key) pair
-(QK^T and PV, forward and backward).
+MFU uses the project's one FLOP count, `nedolm.train.flops.flops_per_token` (its docstring
+states the convention: 6 x matmul weights per token + the full-row attention term), so it
+compares with the trainer's own `mfu`.
 `--device cpu --preset tiny --seq-len 256` smoke-tests the script on a laptop.
 """
 
@@ -35,9 +34,9 @@ from nedolm.model import (
     probe_backends,
     resolve_attn_impl,
 )
+from nedolm.train.flops import flops_per_token, peak_bf16_flops
 
 TARGET_FRACTION, EOS_ID = 0.4, 2
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 
 
 def packed_rows(cfg: ModelConfig, batch: int, seq_len: int, device: str, seed: int = 0):
@@ -115,15 +114,6 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text}"[:200].replace("|", "/")
 
 
-def model_flops(cfg: ModelConfig, n_tokens: int, n_targets: int, lengths: torch.Tensor) -> float:
-    """Forward + backward FLOPs the step needs (see module docstring)."""
-    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
-    per_layer = d * (d + 2 * kv) + d * d + 3 * d * cfg.ffn_dim + 3 * d * cfg.morph_expert_dim
-    matmul = 6 * cfg.n_layers * per_layer * n_tokens + 6 * cfg.vocab_size * d * n_targets
-    visible_pairs = float((lengths * (lengths + 1) // 2).sum())
-    return matmul + 12 * cfg.n_layers * d * visible_pairs
-
-
 def throughput(
     cfg: ModelConfig, backend: str, compiled: bool, args: argparse.Namespace, peak_tflops: float
 ) -> str:
@@ -133,7 +123,7 @@ def throughput(
             block.compile()  # not fullgraph: older flash-attn builds break the graph
     fused = args.device == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
-    input_ids, labels, layout, lengths = packed_rows(cfg, args.batch, args.seq_len, args.device)
+    input_ids, labels, layout, _ = packed_rows(cfg, args.batch, args.seq_len, args.device)
 
     def step() -> None:
         with torch.autocast(args.device, dtype=torch.bfloat16):
@@ -156,7 +146,7 @@ def throughput(
         times.append(time.perf_counter() - start)
     secs = statistics.median(times)
     tokens = input_ids.numel()
-    flops = model_flops(cfg, tokens, int((labels != -100).sum()), lengths)
+    flops = tokens * flops_per_token(cfg, args.seq_len)
     mfu = f"{flops / secs / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a"
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
     mode = "compiled" if compiled else "eager"
@@ -188,7 +178,7 @@ def main() -> None:
     peak = args.peak_tflops
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     if peak is None:
-        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
+        peak = (peak_bf16_flops(name) or 0.0) / 1e12
     print(f"device {name}, torch {torch.__version__}, peak bf16 {peak or 'unknown'} TFLOP/s")
     probed = probe_backends(args.device)
     print(f"attn_impl auto picks {resolve_attn_impl('auto', args.device)}; start-up probes:")

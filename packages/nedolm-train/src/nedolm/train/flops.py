@@ -1,12 +1,23 @@
 """Model FLOPs per trained token and the accelerator's peak: the two halves of MFU.
 
-MFU (model FLOPs utilisation) as nanoGPT/nanochat and torchtitan report it: the FLOPs the model
-needs per token (6 per matmul weight for forward and backward, plus the attention scores and
-values, 12 * layers * heads * head_dim * seq_len, counted for the full row as the convention
-is), times tokens per second, over the device's dense bf16 peak. Morph experts count once per
-token (the expert of its class), the work ``sparse`` dispatch does; the loss head counts the
-whole vocabulary, though the fused head computes target positions only, so MFU stays a figure
-of the model rather than of our shortcuts.
+The one FLOP count of the project: the run's ``mfu`` and every bench (``bench/model_gpu.py``,
+``bench/trainer_gpu.py``) use ``flops_per_token``, so their MFU figures compare. Convention
+(nanoGPT/nanochat's and torchtitan's, so figures compare with theirs too):
+
+    flops_per_token = 6 * N + 12 * n_layers * n_heads * head_dim * seq_len
+
+* ``N`` (``matmul_params_per_token``) is every weight a token multiplies through: the attention
+  and SwiGLU projections of every block, the one morph expert of the token's class (the work
+  ``sparse`` dispatch does), and the output head over the logical vocabulary. The input
+  embedding is a lookup, not a matmul, and is left out (tied or not); so are norms.
+* 6 = 2 (multiply-add) x 3 (forward, and backward for activations and for weights).
+* The attention term counts QK^T and PV, forward and backward, for the *full row* of
+  ``seq_len`` keys: not halved for causality and not reduced for packing (short packed
+  conversations attend to far fewer keys), as the convention is.
+* The loss head counts every token, though the fused head computes only the targets.
+
+It is a figure of the model, not of our shortcuts: skipping work (targets-only head, per-
+conversation attention) shows as higher tokens/s, never as a larger FLOP count.
 """
 
 from __future__ import annotations

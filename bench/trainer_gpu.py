@@ -1,0 +1,360 @@
+"""The product on a GPU, not only the model (run by bench/gpu.sh after bench/model_gpu.py).
+
+    python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--budget-s 330]
+
+c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample and the glaive
+   tool-call chats, plus any --data files) at seq_len 4096, nedolm-0.8b, compiled, ~30 steps:
+   tokens/s and MFU from its metrics.jsonl, the first step after the compile warm-up, and the
+   ratio to the model step alone: the same compiled model, the same real micro-batches already
+   on the device, no loader, collective or logging. A torch.profiler table of the top-15 CUDA
+   kernels of those model steps.
+d. transformers' LlamaForCausalLM of the same dense shape (no morph experts), eager sdpa, bf16
+   autocast, full-logits loss, the same tokens per step: what an untuned TRL user runs.
+e. `nedolm-sft launch --nproc-per-node 1` with ddp and with fsdp (NCCL on a GPU), a few eager
+   steps each: the launcher, process group and wrappers work.
+
+Every figure comes from this run on this machine; MFU is `nedolm.train.flops`'s one count.
+`--smoke` runs every section on the CPU with a tiny model in under a minute (CI runs it), and
+says which parts need CUDA. Sections stop starting after --budget-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO / "apps/sft/src/nedolm_sft/default"
+FIXTURES = REPO / "packages/nedolm-data/tests/fixtures"
+TOOL_CHATS = FIXTURES / "tool_chat/glaive_toolcall_en_demo.jsonl"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one bench run trains: the GPU configuration, or the CPU smoke one."""
+
+    device: str
+    preset: str
+    model_overrides: dict[str, int]
+    seq_len: int
+    micro_batch: int
+    steps: int
+    compile: bool
+    launch_steps: int
+    inputs: tuple[Path, ...]
+
+
+def plan_for(args: argparse.Namespace) -> Plan:
+    extra = tuple(Path(p) for p in args.data)
+    if args.smoke:
+        small = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
+        small |= {"morph_expert_dim": 32, "max_seq_len": 128}
+        chats = sorted(p for p in (FIXTURES / "tr_chat").glob("*.jsonl") if "alpaca" not in p.name)
+        inputs = (*chats, *extra)
+        return Plan("cpu", "tiny", small, 128, 2, 3, False, 1, inputs)
+    inputs = (DEFAULT_DATA / "tr_chat_sample.jsonl", TOOL_CHATS, *extra)
+    return Plan("cuda", "nedolm-0.8b", {}, 4096, 4, args.steps, True, 5, inputs)
+
+
+def sft(*args: str, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``nedolm-sft ARGS`` in a subprocess (the checkout's sources, as gpu.sh exports them)."""
+    cmd = [sys.executable, "-m", "nedolm_sft", *args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"nedolm-sft {args[0]} exited {proc.returncode}:\n{tail}")
+    return proc
+
+
+def prepare(plan: Plan, root: Path) -> tuple[Path, Path]:
+    """A prepared corpus and a random base run of the plan's preset for it."""
+    tokenizer = root / "tokenizer.json"
+    tokenizer.write_bytes(gzip.decompress((DEFAULT_DATA / "tokenizer.json.gz").read_bytes()))
+    corpus, base = root / "corpus", root / "base"
+    inputs = [str(p) for p in plan.inputs]
+    sft("prepare", *inputs, "--tokenizer", str(tokenizer), "--out", str(corpus),
+        "--seq-len", str(plan.seq_len), "--shards", "4", "--val-shards", "3",
+        "--unsupported-roles", "drop", "--on-bad-record", "drop", "--no-progress", timeout=300)  # fmt: skip
+    sets = [
+        arg for key, value in plan.model_overrides.items() for arg in ("--set", f"{key}={value}")
+    ]
+    sft("init-base", "--preset", plan.preset, "--data-dir", str(corpus), "--out", str(base),
+        *sets, timeout=300)  # fmt: skip
+    return corpus, base
+
+
+def write_config(path: Path, plan: Plan, corpus: Path, base: Path, **train: object) -> Path:
+    doc = {
+        "run_dir": str(path.with_suffix("")),
+        "base_config": str(base / "config.yaml"),
+        "base_run_dir": str(base),
+        "data_dir": str(corpus),
+        "optim": {"lr": 1e-5, "warmup_steps": 2},
+        "train": {
+            "seq_len": plan.seq_len,
+            "micro_batch_size": plan.micro_batch,
+            "grad_accum_steps": 1,
+            "max_steps": plan.steps,
+            "num_workers": 2 if plan.device == "cuda" else 0,
+            "compile": plan.compile,
+            "log_interval": 1,
+            "ckpt_interval": 100_000,
+            "save_final_checkpoint": False,
+            "archive_interval_hours": 0.0,
+            **train,
+        },
+        "validation": {"enabled": False},
+    }
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [r for r in map(json.loads, lines) if "tokens_per_s" in r]
+
+
+def trainer_section(plan: Plan, config: Path) -> float:
+    """(c): the real run; returns its steady tokens/s."""
+    started = time.monotonic()
+    sft("run", str(config), timeout=420)
+    wall = time.monotonic() - started
+    records = read_metrics(config.with_suffix(""))
+    steady = records[len(records) // 3 :] or records
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
+    mfu = [r["mfu"] for r in steady if "mfu" in r]
+    log = (config.with_suffix("") / "train.log").read_text(encoding="utf-8")
+    warmup = next(
+        (line.split("] INFO ")[-1] for line in log.splitlines() if "warm-up done" in line),
+        "no compile",
+    )
+    print(
+        f"## c. `nedolm-sft run`, {plan.preset}, {plan.micro_batch}x{plan.seq_len}, real corpus\n"
+    )
+    print(f"{len(records)} steps, wall {wall:.0f} s with start-up; compile: {warmup}\n")
+    print("| first step s | steady step s | tokens/s (median, last 2/3) | MFU |")
+    print("|---|---|---|---|")
+    mfu_text = f"{statistics.median(mfu):.1%}" if mfu else "n/a (no CUDA peak)"
+    print(f"| {records[0]['sec_per_step']:.2f} | {statistics.median(r['sec_per_step'] for r in steady):.3f} "
+          f"| {tokens_per_s:,.0f} | {mfu_text} |\n")  # fmt: skip
+    return tokens_per_s
+
+
+def run_model_config(config: Path):
+    """The model config the run of ``config`` trains."""
+    from nedolm.train.base import base_run_config, model_config
+    from nedolm.train.config import load_sft_config
+
+    return model_config(base_run_config(load_sft_config(config)))
+
+
+def real_micro_batches(plan: Plan, config: Path, count: int):
+    """The first ``count`` micro-batches of the run's corpus, on the device."""
+    from nedolm.data.format import read_special_tokens
+    from nedolm.data.loader import build_sft_loader
+    from nedolm.train.step import to_micro_batch
+
+    corpus = Path(yaml.safe_load(config.read_text(encoding="utf-8"))["data_dir"])
+
+    loader, _ = build_sft_loader(corpus, plan.seq_len, micro_batch_size=plan.micro_batch, seed=1)
+    eos = read_special_tokens(corpus).eos_id
+    device = torch.device(plan.device)
+    batches = iter(loader)
+    return [to_micro_batch(next(batches), device, eos) for _ in range(count)], eos
+
+
+def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
+    """(c, continued): the model step alone on the same real batches, and its kernels."""
+    from nedolm.dist import DistInfo
+    from nedolm.model import build_model
+    from nedolm.train.compiling import compile_and_warm_up
+    from nedolm.train.step import LossOptions, StepSettings, forward_backward
+
+    torch.manual_seed(0)
+    with torch.device(plan.device):
+        model = build_model(run_model_config(config))
+    micro, eos = real_micro_batches(plan, config, 6)
+    on_cuda = plan.device == "cuda"
+    settings = StepSettings(
+        DistInfo(0, 1, 0, torch.device(plan.device)),
+        eos,
+        grad_accum_steps=1,
+        grad_clip=1.0,
+        loss=LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=on_cuda),
+    )
+    step_model = model
+    if plan.compile:
+        step_model = compile_and_warm_up(model, settings, plan.micro_batch, plan.seq_len) or model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step(mb) -> None:
+        forward_backward(step_model, mb, settings.loss, 1.0 / mb.targets)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(micro[0])
+    times = []
+    for mb in micro[1:]:
+        _sync(plan.device)
+        started = time.perf_counter()
+        step(mb)
+        _sync(plan.device)
+        times.append(time.perf_counter() - started)
+    tokens = micro[0].inputs.numel()
+    model_tps = tokens / statistics.median(times)
+    print("### c. trainer vs the model step alone (same model, same real micro-batches)\n")
+    print("| trainer tokens/s | model step tokens/s | trainer / model step |")
+    print("|---|---|---|")
+    print(f"| {trainer_tps:,.0f} | {model_tps:,.0f} | {trainer_tps / model_tps:.2f} |\n")
+    profile_table(plan, step, micro[1:4])
+
+
+def profile_table(plan: Plan, step, micro) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = plan.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        for mb in micro:
+            step(mb)
+        _sync(plan.device)
+    what = (
+        "CUDA kernels" if on_cuda else "CPU ops (no CUDA device: the CUDA kernel table needs one)"
+    )
+    print(f"### c. torch.profiler: top-15 {what} of {len(micro)} model steps\n")
+    sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    print("```")
+    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+    print("```\n")
+
+
+def llama_section(plan: Plan, config: Path, trainer_tps: float) -> None:
+    """(d): transformers' Llama of the same dense shape on the same tokens per step."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        print(f"## d. transformers LlamaForCausalLM: skipped: {exc}\n")
+        return
+    m = run_model_config(config)
+    llama_config = LlamaConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.d_model,
+        intermediate_size=m.ffn_dim,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads,
+        max_position_embeddings=plan.seq_len,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=m.tie_embeddings,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device(plan.device):
+        model = LlamaForCausalLM(llama_config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    micro, _ = real_micro_batches(plan, config, 5)
+    on_cuda = plan.device == "cuda"
+
+    def step(mb) -> None:
+        with torch.autocast(plan.device, dtype=torch.bfloat16, enabled=on_cuda):
+            loss = model(input_ids=mb.inputs, labels=mb.inputs).loss  # full logits, all tokens
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(micro[0])
+    times = []
+    for mb in micro[1:]:
+        _sync(plan.device)
+        started = time.perf_counter()
+        step(mb)
+        _sync(plan.device)
+        times.append(time.perf_counter() - started)
+    llama_tps = micro[0].inputs.numel() / statistics.median(times)
+    print("## d. transformers LlamaForCausalLM, same dense shape, eager sdpa, no packing mask\n")
+    print("| nedolm trainer tokens/s | Llama tokens/s | trainer / Llama |")
+    print("|---|---|---|")
+    print(f"| {trainer_tps:,.0f} | {llama_tps:,.0f} | {trainer_tps / llama_tps:.2f} |\n")
+
+
+def launch_section(plan: Plan, corpus: Path, base: Path, root: Path) -> None:
+    """(e): the launcher with each parallelism, a few eager steps."""
+    backend = "NCCL" if plan.device == "cuda" else "gloo (CPU)"
+    print(f"## e. `nedolm-sft launch --nproc-per-node 1`, {backend}, {plan.launch_steps} steps\n")
+    print("| parallelism | result | tokens/s (last step) | wall s |")
+    print("|---|---|---|---|")
+    for parallelism in ("ddp", "fsdp"):
+        config = write_config(
+            root / f"launch-{parallelism}.yaml",
+            plan,
+            corpus,
+            base,
+            parallelism=parallelism,
+            max_steps=plan.launch_steps,
+            compile=False,
+        )
+        started = time.monotonic()
+        try:
+            sft("launch", "--standalone", "--nproc-per-node", "1", str(config), timeout=300)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            reason = str(exc).strip().splitlines()[-1][:200]
+            print(f"| {parallelism} | FAILED: {reason} | | {time.monotonic() - started:.0f} |")
+            continue
+        records = read_metrics(config.with_suffix(""))
+        print(f"| {parallelism} | ok, {len(records)} steps | {records[-1]['tokens_per_s']:,.0f} "
+              f"| {time.monotonic() - started:.0f} |")  # fmt: skip
+    print()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
+    parser.add_argument("--data", nargs="*", default=[], help="more chat files for the corpus")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--budget-s", type=float, default=330)
+    args = parser.parse_args()
+    plan = plan_for(args)
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("torch sees no CUDA device (use --smoke for the CPU check)")
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="nedolm-bench-") as tmp:
+        root = Path(tmp)
+        corpus, base = prepare(plan, root)
+        print(f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files\n")
+        config = write_config(root / "run.yaml", plan, corpus, base)
+        trainer_tps = trainer_section(plan, config)
+        sections = (
+            lambda: model_step_section(plan, config, trainer_tps),
+            lambda: llama_section(plan, config, trainer_tps),
+            lambda: launch_section(plan, corpus, base, root),
+        )
+        for section in sections:
+            if time.monotonic() - began > args.budget_s:
+                print(f"(skipped: the {args.budget_s:.0f} s budget is spent)\n")
+                continue
+            section()
+            sys.stdout.flush()
+            if plan.device == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""``bench/gpu.sh --smoke`` runs every section of the GPU bench on the CPU, for real (the
+scripts, the CLI subprocesses, the launcher), so the bench cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = (
+    "## Backend agreement vs sdpa",  # a
+    "## Training step, tiny",  # b
+    "## c. `nedolm-sft run`, tiny",
+    "### c. trainer vs the model step alone",
+    "### c. torch.profiler: top-15 CPU ops (no CUDA device",
+    "## d. transformers LlamaForCausalLM",
+    "## e. `nedolm-sft launch --nproc-per-node 1`, gloo (CPU)",
+)
+
+
+def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -> None:
+    out = tmp_path / "results.md"
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu.sh"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    text = out.read_text(encoding="utf-8")
+    for header in SECTIONS:
+        assert header in text, f"{header!r} missing from:\n{text}"
+    number = r"[\d,.]+"
+    ratio_rows = re.findall(rf"^\| ({number}) \| ({number}) \| ({number}) \|$", text, re.M)
+    assert len(ratio_rows) == 2, text  # trainer / model step, trainer / Llama
+    for first, second, ratio in ratio_rows:
+        a, b = (float(v.replace(",", "")) for v in (first, second))
+        assert abs(float(ratio) - a / b) < 0.01, (first, second, ratio)  # tokens/s rounded
+    assert re.search(r"^\| ddp \| ok, 1 steps \|", text, re.M), text
+    assert re.search(r"^\| fsdp \| ok, 1 steps \|", text, re.M), text
