@@ -2,6 +2,7 @@
 # The GPU bench of the product, one command, under 8 minutes on an H100/H200:
 #   a. attention backend agreement (bench/model_gpu.py: logits, loss, every gradient vs sdpa);
 #   b. the model step per backend, eager and compiled (bench/model_gpu.py);
+#   the fused loss head vs the naive one and Liger's when installed (bench/loss_gpu.py);
 #   c. the real `nedolm-sft run` on a prepared real corpus at seq_len 4096 (bench/trainer_gpu.py):
 #      tokens/s and MFU from metrics.jsonl, first step, trainer / model-step, top-15 CUDA kernels;
 #   d. transformers' LlamaForCausalLM of the same dense shape;
@@ -33,9 +34,10 @@ while [[ $# -gt 0 ]]; do
 done
 
 # Each script stops starting new sections after its --budget-s; the hard timeouts only guard
-# against a hang (170 + 290 s: under 8 minutes together).
+# against a hang (150 + 40 + 280 s: under 8 minutes together).
 if [[ $smoke == 1 ]]; then
     model_args=(--device cpu --preset tiny --seq-len 128 --batch 1 --steps 1 --budget-s 10)
+    loss_args=(--device cpu --rows 512 --vocab 1000 --dim 64)
     trainer_args=(--smoke --budget-s 90)
     {
         echo "# bench/gpu.sh --smoke (CPU: checks the script, measures nothing)"
@@ -44,8 +46,9 @@ if [[ $smoke == 1 ]]; then
 else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")'
-    model_args=(--budget-s 120)
-    trainer_args=(--budget-s 200)
+    model_args=(--budget-s 100)
+    loss_args=()
+    trainer_args=(--budget-s 190)
     {
         echo "# bench/gpu.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
         echo
@@ -53,7 +56,8 @@ else
 fi
 
 status=0
-timeout 170 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
-timeout 290 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
+timeout 150 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
+timeout 40 "$PYTHON" bench/loss_gpu.py "${loss_args[@]}" 2>&1 | tee -a "$out" || status=1
+timeout 280 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
 echo "tables written to $out"
 exit $status

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 SECTIONS = (
     "## Backend agreement vs sdpa",  # a
     "## Training step, tiny",  # b
+    "## Loss head: 204 target rows of 512",
     "## c. `nedolm-sft run`, tiny",
     "### c. trainer vs the model step alone",
     "### c. torch.profiler: top-15 CPU ops (no CUDA device",
@@ -41,5 +42,6 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     for first, second, ratio in ratio_rows:
         a, b = (float(v.replace(",", "")) for v in (first, second))
         assert abs(float(ratio) - a / b) < 0.01, (first, second, ratio)  # tokens/s rounded
+    assert re.search(rf"^\| nedolm fused \| {number} \| n/a \(CPU\) \| 1.00 \|$", text, re.M)
     assert re.search(r"^\| ddp \| ok, 1 steps \|", text, re.M), text
     assert re.search(r"^\| fsdp \| ok, 1 steps \|", text, re.M), text

@@ -1,0 +1,119 @@
+"""The fused loss head against Liger's fused linear cross-entropy and the naive head (run by
+bench/gpu.sh): time of forward + backward and peak memory above the inputs.
+
+    python bench/loss_gpu.py [--device cpu --rows 512 --vocab 1000 --dim 64]
+
+Defaults are the issue's shape: 4 x 4096 positions, 40% targets, vocab 32003 (padded to 32064
+rows), d_model 1536, bf16 autocast over float32 weights, as training runs the head. Every head
+scores the same selected target rows; Liger (`liger-kernel`, a bench-only reference, never a
+dependency) is measured only when importable, on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nedolm.model import fused_linear_cross_entropy
+
+TARGET_FRACTION = 0.4
+
+
+def naive(hidden, weight, targets, vocab: int) -> torch.Tensor:
+    logits = F.linear(hidden, weight[:vocab])
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def ours(hidden, weight, targets, vocab: int) -> torch.Tensor:
+    return fused_linear_cross_entropy(
+        hidden, weight, targets, vocab_size=vocab, reduction="sum", fp32_logits=True
+    )
+
+
+def liger() -> Callable | None:
+    """Liger's head as a function of the same arguments, or None when it is not installed."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+    def head(hidden, weight, targets, vocab: int) -> torch.Tensor:
+        # Liger takes the weight in the input's dtype (what autocast would hand a linear).
+        return loss(weight[:vocab].to(hidden.dtype), hidden, targets)
+
+    return head
+
+
+def measure(head: Callable, inputs: tuple, args: argparse.Namespace) -> tuple[float, float]:
+    """(median ms of forward + backward, peak GiB above the inputs: 0 off CUDA)."""
+    hidden, weight, targets = inputs
+    on_cuda = args.device == "cuda"
+
+    def step() -> None:
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=on_cuda):
+            head(hidden, weight, targets, args.vocab).backward()
+        hidden.grad = weight.grad = None
+
+    step()
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if on_cuda else 0
+    times = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        step()
+        if on_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if on_cuda else 0.0
+    return 1e3 * statistics.median(times), peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rows", type=int, default=4 * 4096, help="positions of a micro-batch")
+    parser.add_argument("--vocab", type=int, default=32003)
+    parser.add_argument("--dim", type=int, default=1536)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    n_targets = int(args.rows * TARGET_FRACTION)
+    padded = -(-args.vocab // 64) * 64
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    hidden = torch.randn(n_targets, args.dim, generator=gen).to(args.device, dtype)
+    weight = (0.02 * torch.randn(padded, args.dim, generator=gen)).to(args.device)
+    targets = torch.randint(0, args.vocab, (n_targets,), generator=gen).to(args.device)
+    inputs = (hidden.requires_grad_(), weight.requires_grad_(), targets)
+    heads: dict[str, Callable | None] = {"nedolm fused": ours, "naive": naive, "liger": liger()}
+    print(f"## Loss head: {n_targets} target rows of {args.rows}, vocab {args.vocab}, ", end="")
+    print(f"d {args.dim}, {dtype} hidden, float32 weight, {args.device}\n")
+    print("| head | fwd+bwd ms | peak GiB above inputs | ms / nedolm fused |")
+    print("|---|---|---|---|")
+    results = {}
+    for name, head in heads.items():
+        if head is None or (name == "liger" and args.device != "cuda"):
+            why = "not installed" if head is None else "needs CUDA"
+            print(f"| {name} | skipped: {why} | | |")
+            continue
+        try:
+            results[name] = measure(head, inputs, args)
+        except Exception as exc:  # a reference that fails here must not hide the others
+            print(f"| {name} | error: {type(exc).__name__}: {str(exc)[:160]} | | |")
+            continue
+        ms, peak = results[name]
+        peak_text = f"{peak:.2f}" if args.device == "cuda" else "n/a (CPU)"
+        ratio = ms / results["nedolm fused"][0]
+        print(f"| {name} | {ms:.1f} | {peak_text} | {ratio:.2f} |", flush=True)
+    print()
+
+
+if __name__ == "__main__":
+    main()
