@@ -1,5 +1,5 @@
 """The compiled training forward is traced once: no graph break, and at most one recompile
-over 30 steps of a real corpus (new packings, target counts and an epoch boundary)."""
+over 30 steps of a real corpus (every micro-batch a new packing and target count)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_thirty_compiled_steps_have_no_graph_break_and_at_most_one_recompile(mak
     from torch._dynamo.utils import counters
 
     config = make_config(
-        train={"compile": True, "max_steps": STEPS, "ckpt_interval": 1000},
+        train={"compile": True, "max_steps": STEPS, "grad_accum_steps": 1, "ckpt_interval": 1000},
         validation={"at_start": False, "interval": 1000},
     )
     torch._dynamo.reset()
