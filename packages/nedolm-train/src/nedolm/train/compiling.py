@@ -93,10 +93,14 @@ def warmup_batch(
 
 
 def compile_and_warm_up(
-    base_model: nn.Module, settings: StepSettings, micro_batch: int, seq_len: int, **compile_args
+    base_model: nn.Module,
+    settings: StepSettings,
+    micro_batch: int,
+    seq_len: int,
+    **compile_args: Any,
 ) -> nn.Module | None:
-    """The compiled model, warmed up on every rank; None (on every rank) if compiling failed
-    anywhere, then the run trains eagerly.
+    """``torch.compile(base_model, **compile_args)``, warmed up on every rank; None (on every
+    rank) if compiling failed anywhere, then the run trains eagerly.
 
     Raises:
         AttentionBackendError: on every rank, when the warm-up failed on some rank because of
@@ -105,7 +109,7 @@ def compile_and_warm_up(
     info = settings.info
     recompiles = _recompile_log()
     compile_error = backend_error = ""
-    compiled = None
+    compiled: nn.Module | None = None
     try:
         log.info("compile warm-up started (%s)", compile_args)
         started = time.monotonic()
@@ -137,8 +141,8 @@ def compile_and_warm_up(
     if backend_errors:
         raise AttentionBackendError(
             f"the attention backend (attn_impl={base_model.cfg.attn_impl!r}) fails in the "
-            "compile warm-up, eagerly too: not a compile failure; choose another attn_impl: "
-            + " | ".join(backend_errors)
+            "compile warm-up (its own error, or the same step fails eagerly too): not a compile "
+            "failure; choose another attn_impl: " + " | ".join(backend_errors)
         )
     errors = collect_rank_errors(info, compile_error)
     if errors:
