@@ -34,7 +34,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 # Each script stops starting new sections after its --budget-s; the hard timeouts only guard
-# against a hang (150 + 40 + 280 s: under 8 minutes together).
+# against a hang (130 + 35 + 300 s: under 8 minutes together).
 if [[ $smoke == 1 ]]; then
     model_args=(--device cpu --preset tiny --seq-len 128 --batch 1 --steps 1 --budget-s 10)
     loss_args=(--device cpu --rows 512 --vocab 1000 --dim 64)
@@ -46,9 +46,9 @@ if [[ $smoke == 1 ]]; then
 else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")'
-    model_args=(--budget-s 100)
+    model_args=(--budget-s 90)
     loss_args=()
-    trainer_args=(--budget-s 190)
+    trainer_args=(--budget-s 240)
     {
         echo "# bench/gpu.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
         echo
@@ -56,8 +56,8 @@ else
 fi
 
 status=0
-timeout 150 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
-timeout 40 "$PYTHON" bench/loss_gpu.py "${loss_args[@]}" 2>&1 | tee -a "$out" || status=1
-timeout 280 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
+timeout 130 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
+timeout 35 "$PYTHON" bench/loss_gpu.py "${loss_args[@]}" 2>&1 | tee -a "$out" || status=1
+timeout 300 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
 echo "tables written to $out"
 exit $status

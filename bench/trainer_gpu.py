@@ -1,6 +1,6 @@
 """The product on a GPU, not only the model (run by bench/gpu.sh after bench/model_gpu.py).
 
-    python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--budget-s 330]
+    python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--budget-s 240]
 
 c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample and the glaive
    tool-call chats, plus any --data files) at seq_len 4096, nedolm-0.8b, compiled, ~30 steps:
@@ -329,7 +329,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
     parser.add_argument("--data", nargs="*", default=[], help="more chat files for the corpus")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--budget-s", type=float, default=330)
+    parser.add_argument("--budget-s", type=float, default=240)
     args = parser.parse_args()
     plan = plan_for(args)
     if plan.device == "cuda" and not torch.cuda.is_available():
@@ -352,6 +352,7 @@ def main() -> None:
                 continue
             section()
             sys.stdout.flush()
+            torch._dynamo.reset()  # its caches hold the compiled model and its weights
             if plan.device == "cuda":
                 torch.cuda.empty_cache()
 
