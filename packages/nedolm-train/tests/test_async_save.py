@@ -45,6 +45,18 @@ def test_staged_copies_are_owned_keep_tied_storage_and_reuse_buffers() -> None:
     assert torch.equal(again["model"]["w"], weight)
 
 
+def test_reserved_buffers_are_the_ones_the_first_stage_fills() -> None:
+    state = {"model": {"w": torch.randn(1000)}, "optimizer": [torch.randn(10, 10)]}
+    staging = StagedCopies()
+    staging.reserve(state)
+    staging._wait_for_reserve()
+    reserved = {buffer.data_ptr() for buffer in staging._buffers.values()}
+    staged = staging.stage(state)
+    used = {staged["model"]["w"].data_ptr(), staged["optimizer"][0].data_ptr()}
+    assert len(reserved) == 2 and used == reserved
+    assert torch.equal(staged["optimizer"][0], state["optimizer"][0])
+
+
 def test_a_background_write_runs_one_at_a_time_and_hands_its_failure_to_collect() -> None:
     writer = BackgroundWrite()
     release = threading.Event()

@@ -6,7 +6,10 @@ copying the state to CPU memory takes a fraction of that (torchtitan's ``async_w
 Megatron's ``--async-save`` work the same way). ``StagedCopies`` makes the copy: every tensor
 into a CPU buffer of its own storage (pinned when the source is on CUDA), kept and reused by the
 next checkpoint, so a save allocates nothing after the first. The copy is a real one on CPU too:
-the optimizer updates parameters in place while the write goes on.
+the optimizer updates parameters in place while the write goes on. Fresh memory is slow to
+get (page faults, zeroing: the first checkpoint of a 300M-parameter run paused 11 s on CPU
+instead of 0.7 s), so ``reserve`` allocates and touches the buffers on a thread of its own
+while training runs, ahead of the first checkpoint.
 
 ``BackgroundWrite`` runs one write at a time on a daemon thread and keeps its failure for the
 caller's next look (the loop turns it into an error on every rank at the next control point). A
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,9 +39,33 @@ class StagedCopies:
 
     def __init__(self) -> None:
         self._buffers: dict[_StorageKey, torch.UntypedStorage] = {}
+        self._reserving: threading.Thread | None = None
+
+    def reserve(self, state: Any) -> None:
+        """Allocate and touch, in the background, the buffers that ``stage(state)`` will fill
+        (``state`` as it will be staged: the same tensors); ``stage`` waits for it."""
+        self._wait_for_reserve()
+        tensors = list(_tensors(state))
+
+        def allocate() -> None:
+            for tensor in tensors:
+                key = _key(tensor)
+                if key not in self._buffers:
+                    buffer = _allocate(tensor)
+                    torch.empty(0, dtype=torch.uint8).set_(buffer).zero_()  # fault the pages in
+                    self._buffers[key] = buffer
+
+        self._reserving = threading.Thread(target=allocate, name="staging-buffers", daemon=True)
+        self._reserving.start()
+
+    def _wait_for_reserve(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def stage(self, state: Any) -> Any:
         """A copy of ``state`` whose tensors live in CPU memory owned by this object."""
+        self._wait_for_reserve()
         used: dict[_StorageKey, torch.UntypedStorage] = {}
         staged = self._copy(state, used)
         if any(key[0].type == "cuda" for key in used):
@@ -58,20 +85,40 @@ class StagedCopies:
     def _copy_tensor(
         self, tensor: torch.Tensor, used: dict[_StorageKey, torch.UntypedStorage]
     ) -> torch.Tensor:
-        source = tensor.untyped_storage()
-        key = (tensor.device, source.data_ptr(), source.nbytes())
+        key = _key(tensor)
         target = used.get(key)
         if target is None:
             target = self._buffers.get(key)
             if target is None:
-                pinned = tensor.device.type == "cuda"
-                target = torch.empty(
-                    source.nbytes(), dtype=torch.uint8, pin_memory=pinned
-                ).untyped_storage()
-            target.copy_(source, non_blocking=tensor.device.type == "cuda")
+                target = _allocate(tensor)
+            target.copy_(tensor.untyped_storage(), non_blocking=tensor.device.type == "cuda")
             used[key] = target
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(target, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
+def _key(tensor: torch.Tensor) -> _StorageKey:
+    """Identifies a tensor's storage (tied weights share one), stable across training steps."""
+    storage = tensor.untyped_storage()
+    return (tensor.device, storage.data_ptr(), storage.nbytes())
+
+
+def _allocate(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """A CPU buffer the size of ``tensor``'s storage, pinned when the tensor is on CUDA."""
+    pinned = tensor.device.type == "cuda"
+    nbytes = tensor.untyped_storage().nbytes()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
 
 
 class BackgroundWrite:

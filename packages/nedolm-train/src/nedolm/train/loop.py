@@ -245,6 +245,8 @@ class Trainer:
             )
         if at_control_point or is_last:  # a failed background write stops every rank here
             self.collect_background_write(block=is_last)
+        if done == self.first_step + 1:  # AdamW holds its state from the first step on
+            self._reserve_staging()
         if not (stop or archive or done % t.ckpt_interval == 0 or is_last):
             return False
         with self._untimed():
@@ -326,6 +328,12 @@ class Trainer:
         self.pending = (done, time.monotonic() - started)
         if wait:
             self.collect_background_write(block=True)
+
+    def _reserve_staging(self) -> None:
+        """Rank 0 (the writer) allocates its staging buffers while training goes on, so the
+        first checkpoint's pause is a copy, not an allocation too."""
+        if self.async_save and self.run.info.is_main:
+            self.staged.reserve([self.state.model.state_dict(), self.state.optimizer.state_dict()])
 
     def collect_background_write(self, *, block: bool) -> None:
         """Rank 0's background write, once it has ended (``block``: wait for it): its times
