@@ -95,7 +95,7 @@ def to_micro_batch(batch: dict[str, Tensor], device: torch.device, eos_id: int) 
     traced once; the token tensors get canonical strides (a [1, S] view of the [1, S + 1]
     rows would otherwise recompile it).
     """
-    tokens, mask = batch["tokens"], batch["trainable_mask"][:, 1:]
+    tokens, mask = batch["tokens"].long(), batch["trainable_mask"][:, 1:]
     inputs = tokens[:, :-1].clone(memory_format=torch.contiguous_format)
     labels = torch.where(mask, tokens[:, 1:], IGNORE_INDEX)
     cu_seqlens, position_ids = packed_layout(inputs, eos_id)
