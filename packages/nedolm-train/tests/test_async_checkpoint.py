@@ -103,16 +103,21 @@ def test_sigterm_during_a_background_write_completes_it_then_saves_the_stop_and_
     )
 
 
-def test_a_failed_background_write_stops_the_run_naming_the_file(harness, make_config) -> None:
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_failed_background_write_stops_every_rank_naming_the_file(
+    harness, make_config, world_size: int
+) -> None:
     config = make_config(train={"ckpt_interval": 3})
-    job = harness.Job(config, env={"NEDOLM_TEST_FAULT": "checkpoint_commit@0"})
-    assert job.wait() == [1]
+    fault = {"NEDOLM_TEST_FAULT": "checkpoint_commit@0"}
+    job = harness.Job(config, world_size=world_size, env=fault)
+    assert job.wait() == [1] * world_size
     target = job.run_dir / "checkpoints" / "step-00000003.pt"
-    assert (
-        f"write checkpoint at step 3 failed: rank 0: CheckpointError: cannot write checkpoint "
-        f"{target}: InjectedFault: injected fault at checkpoint_commit on rank 0; the previous "
-        "checkpoints are intact"
-    ) in job.output()
+    for rank in range(world_size):  # rank 0 writes; every rank is told, at a control point
+        assert (
+            f"write checkpoint at step 3 failed: rank 0: CheckpointError: cannot write "
+            f"checkpoint {target}: InjectedFault: injected fault at checkpoint_commit on rank 0; "
+            "the previous checkpoints are intact"
+        ) in job.output(rank)
     assert list_checkpoints(job.run_dir) == [] and not _temporaries(job.run_dir)
     assert harness.logged_step(job.run_dir) < 6  # reported at a control point, not at the end
 
