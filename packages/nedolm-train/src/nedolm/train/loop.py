@@ -299,8 +299,7 @@ class Trainer:
                 lambda: rotate_checkpoints(run.cfg.run_dir, done, t.keep_last, t.keep_every),
             )
             log.info("sharded checkpoint written: %s", path)
-            elapsed = time.monotonic() - started
-            main_rank_call(run.info, "log checkpoint", lambda: self._log_save(done, elapsed, None))
+            self._log_sync_save(done, started)
             return
 
         def write(payload: dict) -> None:
@@ -315,8 +314,7 @@ class Trainer:
                 f"write checkpoint at step {done}",
                 lambda: write({**extra, **state.state_dict(ranks)}),
             )
-            elapsed = time.monotonic() - started
-            main_rank_call(run.info, "log checkpoint", lambda: self._log_save(done, elapsed, None))
+            self._log_sync_save(done, started)
             return
 
         def stage_and_submit() -> None:
@@ -350,6 +348,10 @@ class Trainer:
 
         if main_rank_call(self.run.info, f"write checkpoint at step {step}", collect):
             self.pending = None
+
+    def _log_sync_save(self, step: int, started: float) -> None:
+        elapsed = time.monotonic() - started
+        main_rank_call(self.run.info, "log checkpoint", lambda: self._log_save(step, elapsed, None))
 
     def _log_save(self, step: int, pause_s: float, write_s: float | None) -> None:
         """Rank 0: ``{"kind": "checkpoint", "pause_s", "write_s"}``; a synchronous save's write
