@@ -44,6 +44,7 @@ if [[ $smoke == 1 ]]; then
         echo
     } >"$out"
 else
+    command -v nvidia-smi >/dev/null || { echo "no NVIDIA GPU here (bench/gpu.sh --smoke checks the scripts on a CPU)" >&2; exit 2; }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")'
     model_args=(--budget-s 90)
