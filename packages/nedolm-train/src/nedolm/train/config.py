@@ -140,7 +140,8 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """DDP static_graph; cannot be combined with grad_accum_steps > 1 (DDP's no_sync)."""
     ddp_bucket_cap_mb: int = 100
     control_interval: int = 20
-    """Steps between the all-rank stop/archive agreements (also at checkpoints and the end)."""
+    """Steps between the all-rank archive agreements (also at checkpoints and the end); stop
+    requests are agreed on at every step."""
     log_interval: int = 10
     ckpt_interval: int = 250
     keep_last: int = 3
