@@ -205,6 +205,16 @@ def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    model_tps = median_tokens_per_s(plan, step, micro)
+    print("### c. trainer vs the model step alone (same model, same real micro-batches)\n")
+    print("| trainer tokens/s | model step tokens/s | trainer / model step |")
+    print("|---|---|---|")
+    print(f"| {trainer_tps:,.0f} | {model_tps:,.0f} | {trainer_tps / model_tps:.2f} |\n")
+    profile_table(plan, step, micro[1:4])
+
+
+def median_tokens_per_s(plan: Plan, step, micro) -> float:
+    """Tokens/s of ``step`` over ``micro[1:]`` (median), after one untimed warm-up step."""
     step(micro[0])
     times = []
     for mb in micro[1:]:
@@ -213,13 +223,7 @@ def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
         step(mb)
         _sync(plan.device)
         times.append(time.perf_counter() - started)
-    tokens = micro[0].inputs.numel()
-    model_tps = tokens / statistics.median(times)
-    print("### c. trainer vs the model step alone (same model, same real micro-batches)\n")
-    print("| trainer tokens/s | model step tokens/s | trainer / model step |")
-    print("|---|---|---|")
-    print(f"| {trainer_tps:,.0f} | {model_tps:,.0f} | {trainer_tps / model_tps:.2f} |\n")
-    profile_table(plan, step, micro[1:4])
+    return micro[0].inputs.numel() / statistics.median(times)
 
 
 def profile_table(plan: Plan, step, micro) -> None:
@@ -275,15 +279,7 @@ def llama_section(plan: Plan, config: Path, trainer_tps: float) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step(micro[0])
-    times = []
-    for mb in micro[1:]:
-        _sync(plan.device)
-        started = time.perf_counter()
-        step(mb)
-        _sync(plan.device)
-        times.append(time.perf_counter() - started)
-    llama_tps = micro[0].inputs.numel() / statistics.median(times)
+    llama_tps = median_tokens_per_s(plan, step, micro)
     print("## d. transformers LlamaForCausalLM, same dense shape, eager sdpa, no packing mask\n")
     print("| nedolm trainer tokens/s | Llama tokens/s | trainer / Llama |")
     print("|---|---|---|")
