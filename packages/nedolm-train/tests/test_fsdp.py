@@ -24,6 +24,7 @@ from nedolm.model import build_model
 from nedolm.train.base import model_config
 from nedolm.train.checkpoint import latest_checkpoint
 from nedolm.train.config import load_run_config
+from nedolm.train.metrics import read_metrics
 from nedolm.train.state import load_model_weights, read_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,28 @@ def test_kill_9_then_resume_under_fsdp_is_exact(harness, pair, make_config):
     harness.Job(config, world_size=2).wait_ok()
     losses, expected = harness.step_losses(job.run_dir), harness.step_losses(pair["fsdp"])
     assert losses == expected
+
+
+def test_fsdp_checkpoints_are_sealed_in_the_background_and_a_kill_meanwhile_loses_nothing(
+    harness, pair, make_config
+):
+    """Rank 0 seals each sharded checkpoint on a thread (held 2 s here by ``sharded_finish``)
+    while both ranks train on; kill -9 during the seal of step 6 leaves step 3, and the resumed
+    run ends exactly as the uninterrupted one."""
+    config = make_config("background", train={**RECIPE, "parallelism": "fsdp", "ckpt_interval": 3})
+    run_dir = config.with_suffix("")
+    slow_seal = {"NEDOLM_TEST_DELAY": "data_fetch=0.15,sharded_finish=2"}
+    job = harness.Job(config, world_size=2, env=slow_seal)
+    stray = run_dir / "checkpoints" / ".step-00000006.tmp-dcp"
+    job.wait_for(lambda: (stray / ".metadata").exists(), "the shards of step 6")
+    job.signal(signal.SIGKILL)
+    job.wait()
+    assert latest_checkpoint(run_dir).name == "step-00000003"
+    [saved] = [r for r in read_metrics(run_dir) if r.get("kind") == "checkpoint"]
+    assert saved["step"] == 3 and saved["background"]
+    assert saved["pause_s"] < 1 < 2 <= saved["write_s"]  # trained on while it was sealed
+    harness.Job(config, world_size=2).wait_ok()
+    assert harness.step_losses(run_dir) == harness.step_losses(pair["fsdp"])
 
 
 def test_ddp_checkpoint_resumes_under_fsdp_and_back(harness, pair, make_config):

@@ -154,7 +154,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     save_final_checkpoint: bool = True
     async_checkpoint: bool = True
     """Copy a checkpoint's state to CPU memory (pinned on CUDA), train on and write it in the
-    background, one write at a time; under fsdp checkpoints are written in the step."""
+    background, one write at a time (under fsdp every rank its shards, DCP's async_save)."""
     report_to: list[Literal["tensorboard", "wandb"]] = msgspec.field(default_factory=list)
     """Mirror metrics.jsonl to these sinks (extras nedolm-train[tensorboard] / [wandb])."""
     trust_unverified: bool = False

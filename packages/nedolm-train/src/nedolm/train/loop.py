@@ -42,7 +42,7 @@ from nedolm.train.metrics import MetricsWriter, format_eta
 from nedolm.train.optim import lr_at_step, set_lr
 from nedolm.train.parallel import is_sharded
 from nedolm.train.setup import Run
-from nedolm.train.sharded import full_model_state
+from nedolm.train.sharded import ShardedSave, background_save_group, full_model_state
 from nedolm.train.signals import StopRequest
 from nedolm.train.step import StepResult, train_step
 from nedolm.train.validation import run_validation
@@ -70,9 +70,12 @@ class Trainer:
         self.first_step = run.state.progress.step
         self.background = BackgroundWrite()  # rank 0's checkpoint write in flight, if any
         self.staged = StagedCopies()
-        self.async_save = t.async_checkpoint and not is_sharded(run.state.model)
-        if t.async_checkpoint and not self.async_save:
-            log.info("train.async_checkpoint: sharded (FSDP) checkpoints are written in the step")
+        self.async_save = t.async_checkpoint
+        self.sharded = is_sharded(run.state.model)
+        self.background_group = (
+            background_save_group() if self.async_save and self.sharded else None
+        )
+        self.sharded_save: ShardedSave | None = None  # every rank's, under FSDP
         self.pending: tuple[int, float] | None = None
         """(step, training pause in s) of the background write not yet collected, every rank."""
         self._reset_log_window()
@@ -284,22 +287,21 @@ class Trainer:
             "base_checkpoint": run.base_checkpoint,
             "sft_config": to_builtins(run.cfg),
         }
-        if is_sharded(state.model):
+        if self.sharded:
             main_rank_call(
                 run.info,
                 f"remove stale temporaries at step {done}",
                 lambda: remove_stale_temporaries(run.cfg.run_dir),
             )
-            path = state.save_sharded(
-                checkpoint_path(run.cfg.run_dir, done).with_suffix(""), ranks, extra
+            self.sharded_save = state.start_sharded_save(
+                checkpoint_path(run.cfg.run_dir, done).with_suffix(""),
+                ranks,
+                extra,
+                background_group=self.background_group,
             )
-            main_rank_call(
-                run.info,
-                f"rotate checkpoints at step {done}",
-                lambda: rotate_checkpoints(run.cfg.run_dir, done, t.keep_last, t.keep_every),
-            )
-            log.info("sharded checkpoint written: %s", path)
-            self._log_sync_save(done, started)
+            self.pending = (done, time.monotonic() - started)
+            if wait or self.background_group is None:
+                self.collect_background_write(block=True)
             return
 
         def write(payload: dict) -> None:
@@ -330,7 +332,7 @@ class Trainer:
     def _reserve_staging(self) -> None:
         """Rank 0 (the writer) allocates its staging buffers while training goes on, so the
         first checkpoint's pause is a copy, not an allocation too."""
-        if self.async_save and self.run.info.is_main:
+        if self.async_save and not self.sharded and self.run.info.is_main:
             self.staged.reserve([self.state.model.state_dict(), self.state.optimizer.state_dict()])
 
     def collect_background_write(self, *, block: bool) -> None:
@@ -339,6 +341,9 @@ class Trainer:
         if self.pending is None:
             return
         step, pause = self.pending
+        if self.sharded_save is not None:
+            self._collect_sharded_save(step, pause, block=block)
+            return
 
         def collect() -> bool:
             if not (block or self.background.finished()):
@@ -348,6 +353,29 @@ class Trainer:
 
         if main_rank_call(self.run.info, f"write checkpoint at step {step}", collect):
             self.pending = None
+
+    def _collect_sharded_save(self, step: int, pause: float, *, block: bool) -> None:
+        """Every rank: once rank 0 has sealed the directory (``block``: wait for it), rotate and
+        log; a failed write is raised on every rank. A save written in the step (no background
+        group) paused training for all of it."""
+        save, run, t = self.sharded_save, self.run, self.run.cfg.train
+        assert save is not None
+        if not (block or main_rank_call(run.info, f"check checkpoint at step {step}", save.done)):
+            return
+        started = time.monotonic()
+        path = save.finish()
+        main_rank_call(
+            run.info,
+            f"rotate checkpoints at step {step}",
+            lambda: rotate_checkpoints(run.cfg.run_dir, step, t.keep_last, t.keep_every),
+        )
+        log.info("sharded checkpoint written: %s", path)
+        if save.write_s is None:
+            pause += time.monotonic() - started
+        main_rank_call(
+            run.info, "log checkpoint", lambda: self._log_save(step, pause, save.write_s)
+        )
+        self.pending = self.sharded_save = None
 
     def _log_sync_save(self, step: int, started: float) -> None:
         elapsed = time.monotonic() - started

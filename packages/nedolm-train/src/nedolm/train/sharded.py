@@ -11,8 +11,10 @@ is on disk, and the directory only then gets its final name::
       nedolm-sharded.json       format version, world size, caller's metadata, the sha256
                                 of every other file and of itself (``seal``): written last
 
-So a save killed at any point leaves either the previous checkpoint or a hidden ``.tmp-``
-directory that ``load_sharded`` refuses, and ``verify_sharded`` catches flipped bytes in any
+The shards may be written in the background (``start_sharded_save`` with a gloo group of their
+own: DCP's ``async_save``), rank 0 then sealing on a thread. So a save killed at any point
+leaves either the previous checkpoint or a hidden ``.tmp-`` directory that ``load_sharded``
+refuses, and ``verify_sharded`` catches flipped bytes in any
 file, the manifest included (format 1 directories, written before the digests, are read
 unverified). DCP stores global shapes, so a checkpoint written by
 N ranks (DDP or FSDP) loads on M ranks under either mode.
@@ -26,10 +28,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -83,7 +89,23 @@ def save_sharded(
         torch.distributed.checkpoint.api.CheckpointException: on every rank, when a shard
             write failed on any rank (DCP gathers the failures).
     """
-    info = get_info()
+    return start_sharded_save(directory, model, optimizer, meta, payload).finish()
+
+
+def start_sharded_save(
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    payload: dict[str, Any] | None = None,
+    *,
+    background_group: dist.ProcessGroup | None = None,
+) -> ShardedSave:
+    """``save_sharded`` up to the shards: a collective that returns once they are written, or,
+    with ``background_group``, once every rank has copied its shards to CPU memory (DCP's
+    ``async_save``; its threads coordinate over that group, never the training's). The
+    directory is sealed by ``ShardedSave.finish``, on every rank.
+    """
     final, tmp = Path(directory), temporary_dir(Path(directory))
     manifest = {"format": FORMAT_VERSION, "world_size": get_world_size(), "meta": meta}
     json.dumps(manifest)  # before any rank touches disk: bad meta fails here, on all ranks
@@ -92,15 +114,99 @@ def save_sharded(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         tmp.mkdir(parents=True)
 
-    main_rank_call(info, f"prepare {tmp}", prepare)  # nobody writes before the dir is clean
+    main_rank_call(get_info(), f"prepare {tmp}", prepare)  # nobody writes before it is clean
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    barrier()  # every rank's shard is on disk
-    maybe_inject("sharded_finish", info.rank)
+    state = {"model": model_state, "optim": optim_state}
+    if background_group is None:
+        dcp.save(state, checkpoint_id=tmp)
+        return ShardedSave(final, manifest, payload, written=None)
+    written = dcp.async_save(state, checkpoint_id=tmp, process_group=background_group)
+    return ShardedSave(final, manifest, payload, written=written)
 
-    def finish() -> None:
-        if payload is not None:
-            atomic_write(tmp / PAYLOAD, lambda handle: torch.save(payload, handle))
+
+def background_save_group() -> dist.ProcessGroup:
+    """A gloo group for ``start_sharded_save``'s background threads (a collective: every rank
+    creates it, once): collectives of two threads must not share one process group."""
+    return dist.new_group(backend="gloo")
+
+
+class ShardedSave:
+    """A sharded save whose shards are written, or being written in the background.
+
+    In the background, rank 0 seals the directory as soon as its own write has returned: DCP
+    writes ``.metadata`` on rank 0 only after every rank reported its shards written, so the
+    checkpoint is complete and visible without waiting for the training thread.
+    """
+
+    def __init__(
+        self,
+        final: Path,
+        manifest: dict[str, Any],
+        payload: dict[str, Any] | None,
+        *,
+        written: Future | None,
+    ) -> None:
+        self.final = final
+        self.manifest = manifest
+        self.payload = payload
+        self.written = written
+        self.write_s: float | None = None
+        """Seconds the background write and seal took (None: written in the step)."""
+        self._started = time.monotonic()
+        self._error: BaseException | None = None
+        self._sealing: threading.Thread | None = None
+        if written is not None and get_info().is_main:
+            self._sealing = threading.Thread(
+                target=self._seal_when_written, name=f"seal {final.name}", daemon=True
+            )
+            self._sealing.start()
+
+    def done(self) -> bool:
+        """This rank's part has ended (rank 0: shards written and sealed, or failed)."""
+        if self._sealing is not None:
+            return not self._sealing.is_alive()
+        return self.written is None or self.written.done()
+
+    def finish(self) -> Path:
+        """A collective: wait until every rank's shards are written and rank 0 has added the
+        payload, sealed the manifest and renamed the directory to its final name.
+
+        Raises:
+            nedolm.dist.RankError: on every rank, when any rank's shards or the seal failed.
+        """
+        info = get_info()
+        if self.written is not None:
+            all_rank_call(info, f"write {self.final}", self._wait)
+            return self.final
+        barrier()  # every rank's shard is on disk
+        maybe_inject("sharded_finish", info.rank)
+        main_rank_call(info, f"finish {self.final}", self._seal)
+        return self.final
+
+    def _wait(self) -> None:
+        if self._sealing is None:
+            assert self.written is not None
+            self.written.result()
+            return
+        self._sealing.join()
+        if self._error is not None:
+            raise self._error
+
+    def _seal_when_written(self) -> None:
+        assert self.written is not None
+        try:
+            self.written.result()  # raises the shards' failure, gathered from every rank
+            maybe_inject("sharded_finish", 0)
+            self._seal()
+        except BaseException as exc:  # handed to the training thread by finish()
+            self._error = exc
+        finally:
+            self.write_s = time.monotonic() - self._started
+
+    def _seal(self) -> None:
+        tmp, final, manifest = temporary_dir(self.final), self.final, self.manifest
+        if self.payload is not None:
+            atomic_write(tmp / PAYLOAD, lambda handle: torch.save(self.payload, handle))
         manifest["sha256"] = file_digests(tmp)  # every shard, .metadata and the payload
         manifest["seal"] = _seal(manifest)
         atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
@@ -108,9 +214,6 @@ def save_sharded(
             shutil.rmtree(final)
         tmp.rename(final)
         fsync_dir(final.parent)
-
-    main_rank_call(info, f"finish {final}", finish)
-    return final
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

@@ -5,7 +5,7 @@ the optimizer, the schedule ``Progress``, and per rank the torch RNG and the loa
 (``SFTLoader.state_dict``). Model, optimizer and progress are equal on every rank and saved
 once; RNG and loader state are per rank, gathered to rank 0 as ``ranks[rank]``.
 
-Under FSDP the model and optimizer are saved sharded (``save_sharded``, a directory) and the
+Under FSDP the model and optimizer are saved sharded (``start_sharded_save``, a directory) and the
 rest (progress, ranks, stream) rides along as its payload. A checkpoint of either layout
 resumes under either mode: a ``.pt`` file's full state is broadcast into FSDP shards
 (``load_full_state``), a sharded directory loads into a DDP/single-process model too. The
@@ -26,16 +26,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from nedolm.data.loader import SFTLoader
 from nedolm.train.checkpoint import load_checkpoint
 from nedolm.train.parallel import is_sharded
 from nedolm.train.sharded import (
+    ShardedSave,
     load_full_state,
     load_sharded,
     load_sharded_model,
     read_payload,
-    save_sharded,
+    start_sharded_save,
 )
 
 CHECKPOINT_FORMAT_VERSION = 2
@@ -114,11 +116,23 @@ class TrainState:
             self.optimizer.load_state_dict(state["optimizer"])
         self.load_payload(state, rank, elastic=elastic)
 
-    def save_sharded(self, directory: Path, ranks: list[dict[str, Any]], extra: dict) -> Path:
-        """A collective: every rank writes its shards; rank 0 adds ``payload(ranks)`` + ``extra``."""
-        meta = {"step": self.progress.step}
-        return save_sharded(
-            directory, self.model, self.optimizer, meta, {**self.payload(ranks), **extra}
+    def start_sharded_save(
+        self,
+        directory: Path,
+        ranks: list[dict[str, Any]],
+        extra: dict,
+        *,
+        background_group: ProcessGroup | None = None,
+    ) -> ShardedSave:
+        """A collective: every rank writes its shards (in the background with
+        ``background_group``); rank 0's seal adds ``payload(ranks)`` + ``extra``."""
+        return start_sharded_save(
+            directory,
+            self.model,
+            self.optimizer,
+            {"step": self.progress.step},
+            {**self.payload(ranks), **extra},
+            background_group=background_group,
         )
 
     def load_sharded(
