@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import os
 import statistics
 import subprocess
@@ -122,9 +121,11 @@ def write_config(path: Path, plan: Plan, corpus: Path, base: Path, **train: obje
     return path
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return [r for r in map(json.loads, lines) if "tokens_per_s" in r]
+def step_records(run_dir: Path) -> list[dict]:
+    """The run's training-step records, read by the trainer's own metrics reader."""
+    from nedolm.train.metrics import read_metrics
+
+    return [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
 
 
 def trainer_section(plan: Plan, config: Path) -> float:
@@ -132,7 +133,7 @@ def trainer_section(plan: Plan, config: Path) -> float:
     started = time.monotonic()
     sft("run", str(config), timeout=420)
     wall = time.monotonic() - started
-    records = read_metrics(config.with_suffix(""))
+    records = step_records(config.with_suffix(""))
     steady = records[len(records) // 3 :] or records
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfu = [r["mfu"] for r in steady if "mfu" in r]
@@ -309,7 +310,7 @@ def launch_section(plan: Plan, corpus: Path, base: Path, root: Path) -> None:
             reason = str(exc).strip().splitlines()[-1][:200]
             print(f"| {parallelism} | FAILED: {reason} | | {time.monotonic() - started:.0f} |")
             continue
-        records = read_metrics(config.with_suffix(""))
+        records = step_records(config.with_suffix(""))
         print(f"| {parallelism} | ok, {len(records)} steps | {records[-1]['tokens_per_s']:,.0f} "
               f"| {time.monotonic() - started:.0f} |")  # fmt: skip
     print()
