@@ -28,8 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import threading
-import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from nedolm.data.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from nedolm.dist import all_rank_call, barrier, get_info, get_world_size, main_rank_call
+from nedolm.train.async_save import BackgroundWrite
 from nedolm.train.checksum import digest_mismatch, file_digests
 from nedolm.train.faults import maybe_inject
 from nedolm.train.parallel import unwrap
@@ -151,20 +150,16 @@ class ShardedSave:
         self.payload = payload
         self.written = written
         self.write_s: float | None = None
-        """Seconds the background write and seal took (None: written in the step)."""
-        self._started = time.monotonic()
-        self._error: BaseException | None = None
-        self._sealing: threading.Thread | None = None
+        """Seconds rank 0's background write and seal took (None: written in the step)."""
+        self._sealing: BackgroundWrite | None = None
         if written is not None and get_info().is_main:
-            self._sealing = threading.Thread(
-                target=self._seal_when_written, name=f"seal {final.name}", daemon=True
-            )
-            self._sealing.start()
+            self._sealing = BackgroundWrite()
+            self._sealing.submit(f"seal {final.name}", self._seal_when_written)
 
     def done(self) -> bool:
         """This rank's part has ended (rank 0: shards written and sealed, or failed)."""
         if self._sealing is not None:
-            return not self._sealing.is_alive()
+            return self._sealing.finished()
         return self.written is None or self.written.done()
 
     def finish(self) -> Path:
@@ -184,24 +179,17 @@ class ShardedSave:
         return self.final
 
     def _wait(self) -> None:
-        if self._sealing is None:
-            assert self.written is not None
-            self.written.result()
+        if self._sealing is not None:
+            self.write_s = self._sealing.collect()  # raises the seal's (or the shards') failure
             return
-        self._sealing.join()
-        if self._error is not None:
-            raise self._error
+        assert self.written is not None
+        self.written.result()
 
     def _seal_when_written(self) -> None:
         assert self.written is not None
-        try:
-            self.written.result()  # raises the shards' failure, gathered from every rank
-            maybe_inject("sharded_finish", 0)
-            self._seal()
-        except BaseException as exc:  # handed to the training thread by finish()
-            self._error = exc
-        finally:
-            self.write_s = time.monotonic() - self._started
+        self.written.result()  # raises the shards' failure, gathered from every rank
+        maybe_inject("sharded_finish", 0)
+        self._seal()
 
     def _seal(self) -> None:
         tmp, final, manifest = temporary_dir(self.final), self.final, self.manifest
