@@ -1,6 +1,6 @@
 """The product on a GPU, not only the model (run by bench/gpu.sh after bench/model_gpu.py).
 
-    python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--budget-s 240]
+    python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--budget-s 240] [--keep DIR]
 
 c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample and the glaive
    tool-call chats, plus any --data files) at seq_len 4096, nedolm-0.8b, compiled, ~30 steps:
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -128,10 +129,17 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
 
 
-def trainer_section(plan: Plan, config: Path) -> float:
-    """(c): the real run; returns its steady tokens/s."""
+def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
+    """(c): the real run; returns its steady tokens/s. ``keep`` gets its log and metrics."""
     started = time.monotonic()
-    sft("run", str(config), timeout=420)
+    try:
+        sft("run", str(config), timeout=420)
+    finally:
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            for name in ("train.log", "metrics.jsonl"):
+                if (config.with_suffix("") / name).exists():
+                    shutil.copy(config.with_suffix("") / name, keep / name)
     wall = time.monotonic() - started
     records = step_records(config.with_suffix(""))
     steady = records[len(records) // 3 :] or records
@@ -146,11 +154,17 @@ def trainer_section(plan: Plan, config: Path) -> float:
         f"## c. `nedolm-sft run`, {plan.preset}, {plan.micro_batch}x{plan.seq_len}, real corpus\n"
     )
     print(f"{len(records)} steps, wall {wall:.0f} s with start-up; compile: {warmup}\n")
-    print("| first step s | steady step s | tokens/s (median, last 2/3) | MFU |")
-    print("|---|---|---|---|")
+    for line in log.splitlines():
+        if any(key in line for key in ("attn_impl", "recompil", "graph break")):
+            print(f"    {line.split('] ')[-1]}")
+    print()
+    after_first = statistics.median(r["tokens_per_s"] for r in records[1:] or records)
+    print("| first step s | steady step s | tokens/s (median, last 2/3) "
+          "| tokens/s (median, all but the first) | MFU |")  # fmt: skip
+    print("|---|---|---|---|---|")
     mfu_text = f"{statistics.median(mfu):.1%}" if mfu else "n/a (no CUDA peak)"
     print(f"| {records[0]['sec_per_step']:.2f} | {statistics.median(r['sec_per_step'] for r in steady):.3f} "
-          f"| {tokens_per_s:,.0f} | {mfu_text} |\n")  # fmt: skip
+          f"| {tokens_per_s:,.0f} | {after_first:,.0f} | {mfu_text} |\n")  # fmt: skip
     return tokens_per_s
 
 
@@ -180,13 +194,15 @@ def real_micro_batches(plan: Plan, config: Path, count: int):
 def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
     """(c, continued): the model step alone on the same real batches, and its kernels."""
     from nedolm.dist import DistInfo
-    from nedolm.model import build_model
+    from nedolm.model import build_model, resolve_attn_impl
     from nedolm.train.compiling import compile_and_warm_up
     from nedolm.train.step import LossOptions, StepSettings, forward_backward
 
+    model_cfg = run_model_config(config)
+    resolve_attn_impl(model_cfg.attn_impl, plan.device)  # as the run does: probed before compiling
     torch.manual_seed(0)
     with torch.device(plan.device):
-        model = build_model(run_model_config(config))
+        model = build_model(model_cfg)
     micro, eos = real_micro_batches(plan, config, 6)
     on_cuda = plan.device == "cuda"
     settings = StepSettings(
@@ -198,7 +214,8 @@ def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
     )
     step_model = model
     if plan.compile:
-        step_model = compile_and_warm_up(model, settings, plan.micro_batch, plan.seq_len) or model
+        compiled = compile_and_warm_up(model, settings, plan.micro_batch, plan.seq_len)
+        step_model = model if compiled is None else compiled  # (a compiled module has no bool)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step(mb) -> None:
@@ -327,6 +344,7 @@ def main() -> None:
     parser.add_argument("--data", nargs="*", default=[], help="more chat files for the corpus")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--budget-s", type=float, default=240)
+    parser.add_argument("--keep", type=Path, help="copy the run's train.log and metrics here")
     args = parser.parse_args()
     plan = plan_for(args)
     if plan.device == "cuda" and not torch.cuda.is_available():
@@ -337,7 +355,7 @@ def main() -> None:
         corpus, base = prepare(plan, root)
         print(f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files\n")
         config = write_config(root / "run.yaml", plan, corpus, base)
-        trainer_tps = trainer_section(plan, config)
+        trainer_tps = trainer_section(plan, config, args.keep)
         sections = (
             lambda: model_step_section(plan, config, trainer_tps),
             lambda: llama_section(plan, config, trainer_tps),

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from nedolm.model import IGNORE_INDEX, fused_linear_cross_entropy, packed_layout
+from nedolm.model import loss as loss_module
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -78,7 +79,9 @@ def test_bf16_autocast_head_matches_naive_at_bf16_precision(make_model, reductio
         assert relative_error(fused_grads[name], grad) <= grad_tol, name
 
 
-def test_chunks_padding_rows_and_no_grad_path() -> None:
+@pytest.mark.parametrize("slice_rows", [8192, 24])  # one slice; 3 slices, the last one short
+def test_chunks_padding_rows_and_no_grad_path(monkeypatch, slice_rows: int) -> None:
+    monkeypatch.setattr(loss_module, "GRAD_WEIGHT_SLICE_ROWS", slice_rows)
     torch.manual_seed(0)
     vocab, padded = 50, 64
     hidden = torch.randn(23, 16, requires_grad=True)
@@ -108,6 +111,37 @@ def test_chunks_padding_rows_and_no_grad_path() -> None:
             hidden, weight, targets, vocab_size=vocab, reduction="sum", fp32_logits=True
         )
     torch.testing.assert_close(again, want.detach())
+
+
+def head_gradients(head, hidden, weight, targets) -> tuple[torch.Tensor, ...]:
+    hidden = hidden.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    loss = head(hidden, weight, targets)
+    (0.37 * loss).backward()  # a scale other than 1: backward scales the gradients in place
+    return loss.detach(), hidden.grad, weight.grad
+
+
+def test_in_place_backward_compiles_and_refuses_a_second_backward() -> None:
+    """The gradients backward scales in place: compiled equals eager, and retain_graph cannot
+    scale them twice (autograd's saved-tensor version check raises instead)."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(30, 16), torch.randn(64, 16)
+    targets = torch.randint(0, 50, (30,))
+
+    def head(h, w, t):
+        return fused_linear_cross_entropy(
+            h, w, t, vocab_size=50, reduction="mean", fp32_logits=True, chunk_elements=8 * 64
+        )
+
+    eager = head_gradients(head, hidden, weight, targets)
+    compiled = head_gradients(torch.compile(head, backend="inductor"), hidden, weight, targets)
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want)
+    h = hidden.clone().requires_grad_()
+    loss = head(h, weight, targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_no_targets_sum_to_zero_and_bad_reduction_is_refused(make_model) -> None:

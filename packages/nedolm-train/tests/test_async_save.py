@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -45,16 +47,40 @@ def test_staged_copies_are_owned_keep_tied_storage_and_reuse_buffers() -> None:
     assert torch.equal(again["model"]["w"], weight)
 
 
-def test_reserved_buffers_are_the_ones_the_first_stage_fills() -> None:
-    state = {"model": {"w": torch.randn(1000)}, "optimizer": [torch.randn(10, 10)]}
+def test_buffers_reserved_by_size_are_the_ones_the_first_stage_fills() -> None:
+    """Reserved before the state exists (AdamW's moments, shaped like their parameters): the
+    first stage copies into those buffers; a tensor of a size nobody reserved gets a new one."""
+    weight, bias = torch.randn(1000), torch.randn(10)
     staging = StagedCopies()
-    staging.reserve(state)
+    staging.reserve({"w": weight, "b": bias}, [weight], [weight])  # 4 buffers: w, b, 2 moments
     staging._wait_for_reserve()
-    reserved = {buffer.data_ptr() for buffer in staging._buffers.values()}
+    reserved = {s.data_ptr() for spares in staging._spares.values() for s in spares}
+    moments = [torch.randn(1000), torch.randn(1000)]  # created after the reservation
+    state = {"model": {"w": weight, "b": bias}, "optimizer": [*moments, torch.tensor(3.0)]}
     staged = staging.stage(state)
-    used = {staged["model"]["w"].data_ptr(), staged["optimizer"][0].data_ptr()}
-    assert len(reserved) == 2 and used == reserved
-    assert torch.equal(staged["optimizer"][0], state["optimizer"][0])
+    big = [staged["model"]["w"], staged["model"]["b"], *staged["optimizer"][:2]]
+    assert len(reserved) == 4 and {t.data_ptr() for t in big} == reserved
+    assert staged["optimizer"][2].data_ptr() not in reserved  # the step count: not reserved
+    for got, want in zip(big, [weight, bias, *moments], strict=True):
+        assert torch.equal(got, want)
+    assert not staging._spares  # what no tensor took is freed at the first stage
+
+
+EXIT_WHILE_RESERVING = """
+import sys, torch
+from nedolm.train.async_save import StagedCopies
+StagedCopies().reserve([torch.empty(2**26 + i) for i in range(4)])  # 1 GiB being zeroed
+sys.exit(3)
+"""
+
+
+def test_a_process_exiting_while_buffers_are_reserved_keeps_its_exit_code() -> None:
+    """A run that ends (or fails) during the reservation exits with its own code: a daemon
+    allocation thread made the interpreter's teardown abort (134, "terminate called")."""
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_RESERVING], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
 
 
 def test_a_background_write_runs_one_at_a_time_and_hands_its_failure_to_collect() -> None:

@@ -8,7 +8,10 @@ iteration and backward is a scalar multiply. This costs the same three matmuls a
 head, unlike recomputation by checkpointing.
 
 Memory beyond the inputs: one chunk of float32 logits (turned into its gradient in place), the
-gradient of the gathered hidden states and one float32 accumulator of the weight's gradient.
+gradient of the gathered hidden states and one float32 accumulator of the weight's gradient,
+filled a vocabulary slice at a time (a whole [W, D] half-precision product per chunk would cost
+another half of the weight) and scaled in place by backward, which therefore runs once per
+forward (a second backward through the same graph is refused by autograd's version check).
 
 The head is the custom op ``nedolm::fused_linear_cross_entropy``: torch.compile sees one opaque
 call whose target count may be symbolic, so a compiled training forward has no graph break and
@@ -25,7 +28,8 @@ import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
-LOSS_CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 64 MiB in fp32
+LOSS_CHUNK_ELEMENTS = 1 << 23  # logits elements per chunk: 32 MiB in fp32
+GRAD_WEIGHT_SLICE_ROWS = 8192  # vocabulary rows of the weight's gradient added at once
 
 
 def fused_linear_cross_entropy(
@@ -149,7 +153,9 @@ def _chunked_loss(
             grad_CW.mul_(scale)
         grad_CW = grad_CW.to(weight.dtype)
         grad_hidden[rows] = grad_CW @ weight
-        grad_weight.add_(grad_CW.T @ h_CD)  # adds the half-precision product in place
+        for w in range(0, grad_weight.size(0), GRAD_WEIGHT_SLICE_ROWS):
+            vocab_rows = slice(w, w + GRAD_WEIGHT_SLICE_ROWS)
+            grad_weight[vocab_rows] += grad_CW[:, vocab_rows].T @ h_CD
     if scale is not None:
         loss = loss * scale
     return loss, grad_hidden, grad_weight
@@ -181,11 +187,12 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
 
 
 def _backward(ctx: Any, grad_loss: Tensor, *_unused: Tensor) -> tuple[Tensor | None, ...]:
-    """The gradients were computed in forward (they need the same softmax): scale them."""
+    """The gradients were computed in forward (they need the same softmax): scale them, in
+    place (a copy of the float32 weight gradient would be the head's largest buffer)."""
     grad_hidden, grad_weight = ctx.saved_tensors
     return (
-        (grad_hidden * grad_loss).to(ctx.hidden_dtype),
-        (grad_weight * grad_loss).to(ctx.weight_dtype),
+        grad_hidden.mul_(grad_loss).to(ctx.hidden_dtype),
+        grad_weight.mul_(grad_loss).to(ctx.weight_dtype),
         None,
         None,
         None,

@@ -8,8 +8,10 @@ into a CPU buffer of its own storage (pinned when the source is on CUDA), kept a
 next checkpoint, so a save allocates nothing after the first. The copy is a real one on CPU too:
 the optimizer updates parameters in place while the write goes on. Fresh memory is slow to
 get (page faults, zeroing: the first checkpoint of a 300M-parameter run paused 11 s on CPU
-instead of 0.7 s), so ``reserve`` allocates and touches the buffers on a thread of its own
-while training runs, ahead of the first checkpoint.
+instead of 0.7 s), so ``reserve`` allocates and touches buffers of the sizes the state will
+have on a thread of its own, ahead of the first checkpoint: the trainer starts it before the
+compile warm-up, which hides it (pinning ~9 GiB for a 0.8B model and its AdamW moments slowed
+an H200's first 15 steps 3x when it overlapped training instead).
 
 ``BackgroundWrite`` runs one write at a time on a daemon thread and keeps its failure for the
 caller's next look (the loop turns it into an error on every rank at the next control point). A
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 _StorageKey = tuple[torch.device, int, int]
+_SpareKey = tuple[bool, int]  # (pinned, nbytes)
 
 
 class StagedCopies:
@@ -39,23 +42,25 @@ class StagedCopies:
 
     def __init__(self) -> None:
         self._buffers: dict[_StorageKey, torch.UntypedStorage] = {}
+        self._spares: dict[_SpareKey, list[torch.UntypedStorage]] = {}
         self._reserving: threading.Thread | None = None
 
-    def reserve(self, state: Any) -> None:
-        """Allocate and touch, in the background, the buffers that ``stage(state)`` will fill
-        (``state`` as it will be staged: the same tensors); ``stage`` waits for it."""
+    def reserve(self, *states: Any) -> None:
+        """Allocate and touch, in the background, one buffer per distinct storage of each of
+        ``states``: tensors of those sizes (not necessarily those tensors: optimizer moments
+        that do not exist yet can be reserved as their parameters) that ``stage`` will copy.
+        ``stage`` waits for it, and so does the interpreter's exit (not a daemon thread: a
+        process exiting mid-allocation aborts in C++ teardown, hiding its real exit code)."""
         self._wait_for_reserve()
-        tensors = list(_tensors(state))
+        sizes = [_spare_key(t) for state in states for t in _distinct_storages(state).values()]
 
         def allocate() -> None:
-            for tensor in tensors:
-                key = _key(tensor)
-                if key not in self._buffers:
-                    buffer = _allocate(tensor)
-                    torch.empty(0, dtype=torch.uint8).set_(buffer).zero_()  # fault the pages in
-                    self._buffers[key] = buffer
+            for pinned, nbytes in sizes:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+                buffer.zero_()  # fault the pages in
+                self._spares.setdefault((pinned, nbytes), []).append(buffer.untyped_storage())
 
-        self._reserving = threading.Thread(target=allocate, name="staging-buffers", daemon=True)
+        self._reserving = threading.Thread(target=allocate, name="staging-buffers")
         self._reserving.start()
 
     def _wait_for_reserve(self) -> None:
@@ -71,6 +76,7 @@ class StagedCopies:
         if any(key[0].type == "cuda" for key in used):
             torch.cuda.synchronize()  # the copies into pinned memory were asynchronous
         self._buffers = used  # buffers of tensors gone since the last stage are freed
+        self._spares.clear()  # and reserved ones that no tensor took
         return staged
 
     def _copy(self, value: Any, used: dict[_StorageKey, torch.UntypedStorage]) -> Any:
@@ -90,11 +96,17 @@ class StagedCopies:
         if target is None:
             target = self._buffers.get(key)
             if target is None:
+                target = self._take_spare(tensor)
+            if target is None:
                 target = _allocate(tensor)
             target.copy_(tensor.untyped_storage(), non_blocking=tensor.device.type == "cuda")
             used[key] = target
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(target, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _take_spare(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        spares = self._spares.get(_spare_key(tensor))
+        return spares.pop() if spares else None
 
 
 def _key(tensor: torch.Tensor) -> _StorageKey:
@@ -103,11 +115,19 @@ def _key(tensor: torch.Tensor) -> _StorageKey:
     return (tensor.device, storage.data_ptr(), storage.nbytes())
 
 
+def _spare_key(tensor: torch.Tensor) -> _SpareKey:
+    """A buffer for ``tensor``: its storage's size, pinned when the tensor is on CUDA."""
+    return tensor.device.type == "cuda", tensor.untyped_storage().nbytes()
+
+
 def _allocate(tensor: torch.Tensor) -> torch.UntypedStorage:
-    """A CPU buffer the size of ``tensor``'s storage, pinned when the tensor is on CUDA."""
-    pinned = tensor.device.type == "cuda"
-    nbytes = tensor.untyped_storage().nbytes()
+    pinned, nbytes = _spare_key(tensor)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+
+
+def _distinct_storages(state: Any) -> dict[_StorageKey, torch.Tensor]:
+    """One tensor of each storage in ``state`` (tied weights are one)."""
+    return {_key(tensor): tensor for tensor in _tensors(state)}
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 
 from nedolm.data.contract import read_validation_sources
 from nedolm.dist import all_rank_call, gather_object, main_rank_call, sum_all, sync_control_flags
-from nedolm.train.async_save import BackgroundWrite, StagedCopies
+from nedolm.train.async_save import BackgroundWrite
 from nedolm.train.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -69,7 +69,7 @@ class Trainer:
         self.last_archive = time.monotonic()
         self.first_step = run.state.progress.step
         self.background = BackgroundWrite()  # rank 0's checkpoint write in flight, if any
-        self.staged = StagedCopies()
+        self.staged = run.staged
         self.async_save = t.async_checkpoint
         self.sharded = is_sharded(run.state.model)
         self.background_group = (
@@ -248,8 +248,6 @@ class Trainer:
             )
         if at_control_point or is_last:  # a failed background write stops every rank here
             self.collect_background_write(block=is_last)
-        if done == self.first_step + 1:  # AdamW holds its state from the first step on
-            self._reserve_staging()
         if not (stop or archive or done % t.ckpt_interval == 0 or is_last):
             return False
         with self._untimed():
@@ -328,12 +326,6 @@ class Trainer:
         self.pending = (done, time.monotonic() - started)
         if wait:
             self.collect_background_write(block=True)
-
-    def _reserve_staging(self) -> None:
-        """Rank 0 (the writer) allocates its staging buffers while training goes on, so the
-        first checkpoint's pause is a copy, not an allocation too."""
-        if self.async_save and not self.sharded and self.run.info.is_main:
-            self.staged.reserve([self.state.model.state_dict(), self.state.optimizer.state_dict()])
 
     def collect_background_write(self, *, block: bool) -> None:
         """Rank 0's background write, once it has ended (``block``: wait for it): its times

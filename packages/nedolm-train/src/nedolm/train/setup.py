@@ -16,7 +16,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from nedolm.dist import (
     main_rank_call,
 )
 from nedolm.model import ModelConfig, build_model, resolve_attn_impl
+from nedolm.train.async_save import StagedCopies
 from nedolm.train.audit import BatchAudit
 from nedolm.train.base import (
     base_run_config,
@@ -95,6 +96,8 @@ class Run:
     base_checkpoint: str
     audit: BatchAudit | None = None
     """Set by NEDOLM_AUDIT_DIR: records the windows each step trained."""
+    staged: StagedCopies = field(default_factory=StagedCopies)
+    """Rank 0's CPU buffers for asynchronous checkpoints (``_reserve_staging``)."""
 
     @property
     def eos_id(self) -> int:
@@ -175,6 +178,7 @@ def prepare_run(
             use_amp=info.device.type == "cuda",
         ),
     )
+    staged = _reserve_staging(cfg, info, base_model)  # while the compile warm-up runs
     model, effective_compile = _maybe_compile(base_model, cfg, seq_len, settings, allow_compile)
     contract["execution"] = execution_mode(
         world_size=info.world_size,
@@ -219,6 +223,7 @@ def prepare_run(
         val_loader=val_loader,
         contract=contract,
         base_checkpoint=base_checkpoint,
+        staged=staged,
     )
     main_rank_call(info, "write run metadata", lambda: _write_metadata(run, data))
     return run
@@ -467,6 +472,18 @@ def _load_base(cfg: SFTConfig, model: nn.Module) -> Path:
     path = load_base_weights(cfg, model)
     log.info("starting from base checkpoint %s (its optimizer/data state is not used)", path)
     return path
+
+
+def _reserve_staging(cfg: SFTConfig, info: DistInfo, base_model: nn.Module) -> StagedCopies:
+    """Rank 0 (the writer of unsharded checkpoints) reserves its staging buffers now, so the
+    first checkpoint's pause is a copy, not an allocation, and the allocation overlaps the
+    compile warm-up rather than training steps. AdamW's two moments do not exist before its
+    first step; each is shaped like its parameter."""
+    staged = StagedCopies()
+    if cfg.train.async_checkpoint and cfg.train.parallelism != "fsdp" and info.is_main:
+        trainable = [p for p in base_model.parameters() if p.requires_grad]
+        staged.reserve(base_model.state_dict(), trainable, trainable)
+    return staged
 
 
 def _maybe_compile(
