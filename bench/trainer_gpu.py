@@ -21,6 +21,7 @@ says which parts need CUDA. Sections stop starting after --budget-s.
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import os
 import shutil
@@ -74,7 +75,7 @@ def sft(*args: str, timeout: float, cwd: Path | None = None) -> subprocess.Compl
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-3000:]
+        tail = (proc.stdout + proc.stderr)[-6000:]
         raise RuntimeError(f"nedolm-sft {args[0]} exited {proc.returncode}:\n{tail}")
     return proc
 
@@ -310,6 +311,7 @@ def launch_section(plan: Plan, corpus: Path, base: Path, root: Path) -> None:
     print(f"## e. `nedolm-sft launch --nproc-per-node 1`, {backend}, {plan.launch_steps} steps\n")
     print("| parallelism | result | tokens/s (last step) | wall s |")
     print("|---|---|---|---|")
+    failures: list[str] = []
     for parallelism in ("ddp", "fsdp"):
         config = write_config(
             root / f"launch-{parallelism}.yaml",
@@ -326,11 +328,14 @@ def launch_section(plan: Plan, corpus: Path, base: Path, root: Path) -> None:
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             reason = str(exc).strip().splitlines()[-1][:200]
             print(f"| {parallelism} | FAILED: {reason} | | {time.monotonic() - started:.0f} |")
+            failures.append(f"{parallelism}:\n{exc}")
             continue
         records = step_records(config.with_suffix(""))
         print(f"| {parallelism} | ok, {len(records)} steps | {records[-1]['tokens_per_s']:,.0f} "
               f"| {time.monotonic() - started:.0f} |")  # fmt: skip
     print()
+    for failure in failures:  # the cause, for whoever reads the table next
+        print(f"```\n{failure}\n```\n")
 
 
 def _sync(device: str) -> None:
@@ -368,8 +373,11 @@ def main() -> None:
             section()
             sys.stdout.flush()
             torch._dynamo.reset()  # its caches hold the compiled model and its weights
+            gc.collect()  # and cycles may hold the rest: the launches below need the memory
             if plan.device == "cuda":
                 torch.cuda.empty_cache()
+                print(f"(bench process: {torch.cuda.memory_reserved() / 2**30:.1f} GiB of GPU "
+                      "memory still reserved)\n")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -274,3 +274,14 @@ def test_sdpa_op_backward_runs_sdpas_own_kernels_in_the_input_dtype() -> None:
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.bfloat16
         assert torch.equal(g, w)
+
+
+def test_sdpa_plan_reads_host_offsets_and_puts_its_indices_on_the_attention_device() -> None:
+    """Compiled graphs hand the op a CPU copy of cu_seqlens (read once per forward), so its
+    per-layer planning never reads the device; the indices go where q lives."""
+    from nedolm.model.attention import sdpa_plan
+
+    cu_seqlens = torch.tensor([0, 5, 6, 15, 45], dtype=torch.int32)
+    groups, inverse, longest = sdpa_plan(cu_seqlens, 45, torch.device("meta"))
+    assert longest == 30 and inverse is not None and inverse.device.type == "meta"
+    assert all(isinstance(g, torch.Tensor) and g.device.type == "meta" for g in groups)

@@ -66,6 +66,19 @@ def test_buffers_reserved_by_size_are_the_ones_the_first_stage_fills() -> None:
     assert not staging._spares  # what no tensor took is freed at the first stage
 
 
+def test_a_reservation_that_fails_is_logged_and_the_stage_allocates_instead(caplog) -> None:
+    """A buffer the machine cannot give (a locked-memory limit, say: here 1 PiB) costs the
+    first checkpoint its head start, not the run."""
+    weight = torch.randn(100)
+    staging = StagedCopies()
+    with caplog.at_level("WARNING", logger="nedolm.train.async_save"):
+        staging.reserve([torch.empty(2**48, device="meta"), weight])
+        staging._wait_for_reserve()
+    assert "not reserved" in caplog.text and "first checkpoint allocates" in caplog.text
+    staged = staging.stage({"w": weight})
+    assert torch.equal(staged["w"], weight)
+
+
 EXIT_WHILE_RESERVING = """
 import sys, torch
 from nedolm.train.async_save import StagedCopies

@@ -83,7 +83,9 @@ class VarlenLayout:
     [T] maps each token to its row in the concatenated group outputs (None when that is already
     token order). Under torch.compile both stay empty and the `nedolm::sdpa_varlen` op plans
     inside itself, so compiled graphs do not depend on how rows were packed (no recompiles from
-    batch to batch). `flex` keeps its document block mask in `block_mask`.
+    batch to batch); `cu_seqlens` is then a CPU copy, read from the device once per forward,
+    so no layer waits for the device to plan. `flex` keeps its document block mask in
+    `block_mask`.
     """
 
     impl: str
@@ -108,17 +110,20 @@ def build_layout(
         mask = document_block_mask(cu_seqlens, n_tokens)
         return VarlenLayout(impl, cu_seqlens, max_seqlen or 0, [], None, mask)
     if impl == "sdpa" and torch.compiler.is_compiling():
-        return VarlenLayout(impl, cu_seqlens, max_seqlen or 0, [], None)
+        return VarlenLayout(impl, cu_seqlens.cpu(), max_seqlen or 0, [], None)
     if impl != "sdpa":
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         return VarlenLayout(impl, cu_seqlens, max_seqlen, [], None)
-    groups, inverse, max_len = sdpa_plan(cu_seqlens, n_tokens)
+    groups, inverse, max_len = sdpa_plan(cu_seqlens, n_tokens, cu_seqlens.device)
     return VarlenLayout(impl, cu_seqlens, max_len, groups, inverse)
 
 
-def sdpa_plan(cu_seqlens: Tensor, n_tokens: int) -> tuple[list[Tensor | int], Tensor | None, int]:
-    """Group segments by padded length: (index per group, inverse permutation, longest)."""
+def sdpa_plan(
+    cu_seqlens: Tensor, n_tokens: int, device: torch.device
+) -> tuple[list[Tensor | int], Tensor | None, int]:
+    """Group segments by padded length: (index per group, inverse permutation, longest), the
+    index tensors on `device`, copied from pinned memory without waiting on a CUDA device."""
     bounds = cu_seqlens.tolist()
     starts, lengths = bounds[:-1], [e - s for s, e in itertools.pairwise(bounds)]
     if bounds[0] != 0 or bounds[-1] != n_tokens or min(lengths, default=0) <= 0:
@@ -143,9 +148,15 @@ def sdpa_plan(cu_seqlens: Tensor, n_tokens: int) -> tuple[list[Tensor | int], Te
         real_nP = cols_P[None, :] < length_n[:, None]
         rows_nP = offset + torch.arange(len(segs) * padded).view(len(segs), padded)
         inverse_T[index_nP[real_nP]] = rows_nP[real_nP]
-        groups.append(index_nP.to(cu_seqlens.device))
+        groups.append(_to_device(index_nP, device))
         offset += len(segs) * padded
-    return groups, inverse_T.to(cu_seqlens.device), max(lengths)
+    return groups, _to_device(inverse_T, device), max(lengths)
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _padded_length(length: int) -> int:
@@ -228,7 +239,7 @@ def _sdpa_grouped(
 @torch.library.custom_op("nedolm::sdpa_varlen", mutates_args=())
 def sdpa_varlen_op(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu_seqlens: Tensor) -> Tensor:
     """Grouped sdpa as one opaque op: plans from `cu_seqlens` inside, invisible to the compiler."""
-    groups, inverse, _ = sdpa_plan(cu_seqlens, q_THK.size(0))
+    groups, inverse, _ = sdpa_plan(cu_seqlens, q_THK.size(0), q_THK.device)
     return _sdpa_grouped(q_THK, k_TGK, v_TGK, groups, inverse)
 
 
@@ -246,7 +257,7 @@ def _sdpa_varlen_backward_op(
     A custom op runs below autograd, so plain autograd records nothing here; functorch's vjp
     brings its own and differentiates the same grouped SDPA calls (and gathers) as eager mode.
     """
-    groups, inverse, _ = sdpa_plan(cu_seqlens, q_THK.size(0))
+    groups, inverse, _ = sdpa_plan(cu_seqlens, q_THK.size(0), q_THK.device)
     _, pullback = torch.func.vjp(
         lambda q, k, v: _sdpa_grouped(q, k, v, groups, inverse), q_THK, k_TGK, v_TGK
     )

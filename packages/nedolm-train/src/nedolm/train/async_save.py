@@ -21,12 +21,15 @@ previous checkpoints intact (the write uses the same protocol, ``save_checkpoint
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _StorageKey = tuple[torch.device, int, int]
 _SpareKey = tuple[bool, int]  # (pinned, nbytes)
@@ -52,13 +55,24 @@ class StagedCopies:
         ``stage`` waits for it, and so does the interpreter's exit (not a daemon thread: a
         process exiting mid-allocation aborts in C++ teardown, hiding its real exit code)."""
         self._wait_for_reserve()
-        sizes = [_spare_key(t) for state in states for t in _distinct_storages(state).values()]
+        tensors = [t for state in states for t in _distinct_storages(state).values()]
+        sizes = [_spare_key(t) for t in tensors]
+        cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
 
         def allocate() -> None:
-            for pinned, nbytes in sizes:
-                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-                buffer.zero_()  # fault the pages in
-                self._spares.setdefault((pinned, nbytes), []).append(buffer.untyped_storage())
+            if cuda is not None:  # pin through this rank's GPU, not a new context on GPU 0
+                torch.cuda.set_device(cuda)
+            try:
+                for pinned, nbytes in sizes:
+                    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+                    buffer.zero_()  # fault the pages in
+                    self._spares.setdefault((pinned, nbytes), []).append(buffer.untyped_storage())
+            except (RuntimeError, MemoryError) as exc:  # e.g. a locked-memory limit
+                log.warning(
+                    "staging buffers for asynchronous checkpoints not reserved (%s): the first "
+                    "checkpoint allocates them, and pauses longer",
+                    exc,
+                )
 
         self._reserving = threading.Thread(target=allocate, name="staging-buffers")
         self._reserving.start()
