@@ -1,6 +1,7 @@
 """The product on a GPU, not only the model (run by bench/gpu.sh after bench/model_gpu.py).
 
     python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--budget-s 240] [--keep DIR]
+                                [--launch-only]
 
 c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample and the glaive
    tool-call chats, plus any --data files) at seq_len 4096, nedolm-0.8b, compiled, ~30 steps:
@@ -350,6 +351,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--budget-s", type=float, default=240)
     parser.add_argument("--keep", type=Path, help="copy the run's train.log and metrics here")
+    parser.add_argument(
+        "--launch-only", action="store_true", help="only (e): a short check of the launcher"
+    )
     args = parser.parse_args()
     plan = plan_for(args)
     if plan.device == "cuda" and not torch.cuda.is_available():
@@ -360,13 +364,13 @@ def main() -> None:
         corpus, base = prepare(plan, root)
         print(f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files\n")
         config = write_config(root / "run.yaml", plan, corpus, base)
-        trainer_tps = trainer_section(plan, config, args.keep)
+        trainer_tps = trainer_section(plan, config, args.keep) if not args.launch_only else 0.0
         sections = (
             lambda: model_step_section(plan, config, trainer_tps),
             lambda: llama_section(plan, config, trainer_tps),
             lambda: launch_section(plan, corpus, base, root),
         )
-        for section in sections:
+        for section in sections[2:] if args.launch_only else sections:
             if time.monotonic() - began > args.budget_s:
                 print(f"(skipped: the {args.budget_s:.0f} s budget is spent)\n")
                 continue

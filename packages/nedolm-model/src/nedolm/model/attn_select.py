@@ -5,6 +5,10 @@ releases and FlexAttention has no CPU backward. So before `auto` picks a backend
 (device, dtype) it runs the backend's forward and backward once on tiny packed inputs and
 compares both with a float32 dense reference; the first backend in `BACKENDS` order that passes
 is chosen, and the choice and every rejection are logged. Results are cached per process.
+
+The order is measured (bench/RESULTS.md, H200, torch 2.11, nedolm-0.8b at 4x4096): compiled,
+torch_varlen and flex train within 1% of each other (88.5k and 89.3k tokens/s) and sdpa at
+73k; eager, flex takes 2.8 GiB more memory, so torch_varlen stays ahead of flex.
 """
 
 # Shape legend: T probe tokens, H query heads, G kv heads, K head dim.
