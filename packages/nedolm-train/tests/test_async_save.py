@@ -53,7 +53,7 @@ def test_buffers_reserved_by_size_are_the_ones_the_first_stage_fills() -> None:
     weight, bias = torch.randn(1000), torch.randn(10)
     staging = StagedCopies()
     staging.reserve({"w": weight, "b": bias}, [weight], [weight])  # 4 buffers: w, b, 2 moments
-    staging._wait_for_reserve()
+    staging.wait_for_reserve()
     reserved = {s.data_ptr() for spares in staging._spares.values() for s in spares}
     moments = [torch.randn(1000), torch.randn(1000)]  # created after the reservation
     state = {"model": {"w": weight, "b": bias}, "optimizer": [*moments, torch.tensor(3.0)]}
@@ -73,7 +73,7 @@ def test_a_reservation_that_fails_is_logged_and_the_stage_allocates_instead(capl
     staging = StagedCopies()
     with caplog.at_level("WARNING", logger="nedolm.train.async_save"):
         staging.reserve([torch.empty(2**48, device="meta"), weight])
-        staging._wait_for_reserve()
+        staging.wait_for_reserve()
     assert "not reserved" in caplog.text and "first checkpoint allocates" in caplog.text
     staged = staging.stage({"w": weight})
     assert torch.equal(staged["w"], weight)

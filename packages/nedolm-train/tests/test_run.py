@@ -4,6 +4,8 @@ rotation when a run dir is reused."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -200,3 +202,16 @@ def test_report_to_mirrors_the_run_to_tensorboard_and_cpu_reports_no_mfu(make_co
         (r["step"], pytest.approx(r["loss"])) for r in train
     ]
     assert "mfu" not in train[-1]  # MFU is a CUDA figure (against the device's bf16 peak)
+
+
+def test_a_run_returns_only_once_its_staging_buffers_are_reserved(make_config, monkeypatch):
+    """Rank 0 reserves async-checkpoint buffers in the background from before the warm-up; a
+    run shorter than that reservation waits for it before anything is torn down (a pinned
+    allocation racing the process group's teardown, or the interpreter's, is not safe)."""
+    monkeypatch.setenv("NEDOLM_TEST_DELAY", "staging_reserve=3")
+    train = {"max_steps": 1, "async_checkpoint": True, "save_final_checkpoint": False}
+    config = make_config(train=train)  # no checkpoint: nothing else waits for the buffers
+    started = time.monotonic()
+    run(load_sft_config(config), compile=False)
+    assert time.monotonic() - started >= 3
+    assert not [t for t in threading.enumerate() if t.name == "staging-buffers"]

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from nedolm.train.faults import maybe_inject
+
 log = logging.getLogger(__name__)
 
 _StorageKey = tuple[torch.device, int, int]
@@ -54,12 +56,13 @@ class StagedCopies:
         that do not exist yet can be reserved as their parameters) that ``stage`` will copy.
         ``stage`` waits for it, and so does the interpreter's exit (not a daemon thread: a
         process exiting mid-allocation aborts in C++ teardown, hiding its real exit code)."""
-        self._wait_for_reserve()
+        self.wait_for_reserve()
         tensors = [t for state in states for t in _distinct_storages(state).values()]
         sizes = [_spare_key(t) for t in tensors]
         cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
 
         def allocate() -> None:
+            maybe_inject("staging_reserve", 0)  # (tests: a slow reservation)
             if cuda is not None:  # pin through this rank's GPU, not a new context on GPU 0
                 torch.cuda.set_device(cuda)
             try:
@@ -77,14 +80,15 @@ class StagedCopies:
         self._reserving = threading.Thread(target=allocate, name="staging-buffers")
         self._reserving.start()
 
-    def _wait_for_reserve(self) -> None:
+    def wait_for_reserve(self) -> None:
+        """Until ``reserve``'s allocations are done (or failed)."""
         if self._reserving is not None:
             self._reserving.join()
             self._reserving = None
 
     def stage(self, state: Any) -> Any:
         """A copy of ``state`` whose tensors live in CPU memory owned by this object."""
-        self._wait_for_reserve()
+        self.wait_for_reserve()
         used: dict[_StorageKey, torch.UntypedStorage] = {}
         staged = self._copy(state, used)
         if any(key[0].type == "cuda" for key in used):

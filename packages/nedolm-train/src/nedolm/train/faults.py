@@ -11,8 +11,9 @@ nothing in production runs:
 Phases: ``compile_warmup``, ``data_fetch``, ``validation``, ``checkpoint_write`` (before a save
 writes anything), ``checkpoint_commit`` (a checkpoint file is written under its temporary name,
 not yet fsynced nor renamed: under ``train.async_checkpoint`` on the background writer, while
-training goes on) and ``sharded_finish`` (inside a sharded save: every shard is on disk in the
-temporary directory, the manifest not yet).
+training goes on), ``sharded_finish`` (inside a sharded save: every shard is on disk in the
+temporary directory, the manifest not yet) and ``staging_reserve`` (rank 0's background
+reservation of async-checkpoint buffers, before it allocates).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ PHASES = (
     "checkpoint_write",
     "checkpoint_commit",
     "sharded_finish",
+    "staging_reserve",
 )
 
 

@@ -114,9 +114,19 @@ class _Data:
 
 
 def prepare_run(
-    cfg: SFTConfig, info: DistInfo, *, smoke_steps: int | None = None, allow_compile: bool = True
+    cfg: SFTConfig,
+    info: DistInfo,
+    *,
+    smoke_steps: int | None = None,
+    allow_compile: bool = True,
+    staged: StagedCopies | None = None,
 ) -> Run:
-    """Check everything, build everything, and restore the latest checkpoint if there is one."""
+    """Check everything, build everything, and restore the latest checkpoint if there is one.
+
+    ``staged``: the async-checkpoint buffers, which rank 0 starts reserving in the background
+    before the compile warm-up; its owner waits for that (``wait_for_reserve``) before the
+    job tears anything down, also when this raises.
+    """
     run_config = all_rank_call(info, "read base config", lambda: base_run_config(cfg))
     model_cfg = all_rank_call(
         info,
@@ -178,7 +188,8 @@ def prepare_run(
             use_amp=info.device.type == "cuda",
         ),
     )
-    staged = _reserve_staging(cfg, info, base_model)  # while the compile warm-up runs
+    staged = StagedCopies() if staged is None else staged
+    _reserve_staging(staged, cfg, info, base_model)  # while the compile warm-up runs
     model, effective_compile = _maybe_compile(base_model, cfg, seq_len, settings, allow_compile)
     contract["execution"] = execution_mode(
         world_size=info.world_size,
@@ -474,16 +485,16 @@ def _load_base(cfg: SFTConfig, model: nn.Module) -> Path:
     return path
 
 
-def _reserve_staging(cfg: SFTConfig, info: DistInfo, base_model: nn.Module) -> StagedCopies:
+def _reserve_staging(
+    staged: StagedCopies, cfg: SFTConfig, info: DistInfo, base_model: nn.Module
+) -> None:
     """Rank 0 (the writer of unsharded checkpoints) reserves its staging buffers now, so the
     first checkpoint's pause is a copy, not an allocation, and the allocation overlaps the
     compile warm-up rather than training steps. AdamW's two moments do not exist before its
     first step; each is shaped like its parameter."""
-    staged = StagedCopies()
     if cfg.train.async_checkpoint and cfg.train.parallelism != "fsdp" and info.is_main:
         trainable = [p for p in base_model.parameters() if p.requires_grad]
         staged.reserve(base_model.state_dict(), trainable, trainable)
-    return staged
 
 
 def _maybe_compile(

@@ -21,12 +21,13 @@ from nedolm.dist import (
     setup_distributed,
     sync_control_flags,
 )
+from nedolm.train.async_save import StagedCopies
 from nedolm.train.checkpoint import checkpoint_step, latest_checkpoint
 from nedolm.train.config import SFTConfig
 from nedolm.train.loop import Trainer
 from nedolm.train.metrics import MetricsWriter, require_sinks, setup_logging
 from nedolm.train.run_lock import LOCK_FILE, run_dir_lock
-from nedolm.train.setup import prepare_run
+from nedolm.train.setup import Run, prepare_run
 from nedolm.train.signals import StopRequest, claim
 from nedolm.train.stop_record import left_behind, record_stop
 
@@ -87,7 +88,17 @@ def _train(
         step = main_rank_call(info, "find latest SFT checkpoint", lambda: _newest_step(cfg))
         _stopped_before_start(cfg, info, stop, step)
         return
-    run_state = prepare_run(cfg, info, smoke_steps=smoke_steps, allow_compile=compile)
+    staged = StagedCopies()
+    try:
+        run_state = prepare_run(
+            cfg, info, smoke_steps=smoke_steps, allow_compile=compile, staged=staged
+        )
+        _train_prepared(cfg, info, stop, run_state)
+    finally:  # no pinned allocation may still run when the process group and CUDA go down
+        staged.wait_for_reserve()
+
+
+def _train_prepared(cfg: SFTConfig, info: DistInfo, stop: StopRequest, run_state: Run) -> None:
     if _stop_agreed(stop):  # e.g. during the compile warm-up: no need to train a step first
         _stopped_before_start(cfg, info, stop, run_state.state.progress.step)
         return
