@@ -12,8 +12,8 @@ calls the trainer's own ``save_checkpoint`` ``--rounds`` times each way, interle
   fsync, rename, rotation);
 * async: the pause is copying the state into CPU buffers; the write then runs in the
   background (its time is reported too: training overlaps it, and the next checkpoint waits
-  for it only if it comes sooner). The buffers were reserved during the first training step,
-  as in any run (``StagedCopies.reserve``).
+  for it only if it comes sooner). The buffers were reserved by ``prepare_run``, in the
+  background, as in any run (``StagedCopies.reserve``).
 
 Target: async pause <= 15% of the sync pause (medians).
 
