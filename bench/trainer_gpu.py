@@ -272,19 +272,10 @@ def llama_section(plan: Plan, config: Path, trainer_tps: float) -> None:
     except ImportError as exc:
         print(f"## d. transformers LlamaForCausalLM: skipped: {exc}\n")
         return
-    m = run_model_config(config)
-    llama_config = LlamaConfig(
-        vocab_size=m.vocab_size,
-        hidden_size=m.d_model,
-        intermediate_size=m.ffn_dim,
-        num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads,
-        num_key_value_heads=m.n_kv_heads,
-        max_position_embeddings=plan.seq_len,
-        rope_theta=m.rope_theta,
-        tie_word_embeddings=m.tie_embeddings,
-        attn_implementation="sdpa",
-    )
+    from nedolm.model import hf_config_fields
+
+    fields = hf_config_fields(run_model_config(config))  # the export's mapping, experts left out
+    llama_config = LlamaConfig(**fields, attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(plan.device):
         model = LlamaForCausalLM(llama_config)

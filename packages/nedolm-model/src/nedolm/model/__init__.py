@@ -5,7 +5,7 @@ from nedolm.model.attn_select import probe_backends, resolve_attn_impl
 from nedolm.model.config import ModelConfig, ModelConfigError, preset, preset_names
 from nedolm.model.extend import add_morph_experts, grow_vocab
 from nedolm.model.generate import KVCache, generate
-from nedolm.model.hf import ExportFormatError, export_hf, load_hf
+from nedolm.model.hf import ExportFormatError, export_hf, hf_config_fields, load_hf
 from nedolm.model.hf_import import HFImportError, import_hf, read_hf_config
 from nedolm.model.layout import packed_layout
 from nedolm.model.loss import IGNORE_INDEX, fused_linear_cross_entropy
@@ -28,6 +28,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "generate",
     "grow_vocab",
+    "hf_config_fields",
     "import_hf",
     "load_hf",
     "morph_classes_from_vocab",

@@ -132,7 +132,7 @@ def load_hf(out_dir: str | Path, **overrides: object) -> MorphTransformer:
 
 def _llama_config(cfg: ModelConfig) -> dict[str, object]:
     return {
-        **_hf_fields(cfg),
+        **hf_config_fields(cfg),
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
@@ -145,7 +145,7 @@ def _llama_config(cfg: ModelConfig) -> dict[str, object]:
 
 def _nedolm_config(cfg: ModelConfig) -> dict[str, object]:
     return {
-        **_hf_fields(cfg),
+        **hf_config_fields(cfg),
         "architectures": [NEDOLM_ARCHITECTURE],
         "model_type": MORPH_MODEL_TYPE,
         "hidden_act": MORPH_HIDDEN_ACT,
@@ -158,8 +158,9 @@ def _nedolm_config(cfg: ModelConfig) -> dict[str, object]:
     }
 
 
-def _hf_fields(cfg: ModelConfig) -> dict[str, object]:
-    """The config.json fields Llama and NedoLM exports share (transformers' names)."""
+def hf_config_fields(cfg: ModelConfig) -> dict[str, object]:
+    """The config.json fields Llama and NedoLM exports share (transformers' names): with them,
+    ``transformers.LlamaConfig(**hf_config_fields(cfg))`` is the dense model of ``cfg``."""
     return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
