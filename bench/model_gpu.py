@@ -8,7 +8,9 @@
 2. Training-step tokens/s and MFU of a preset (default nedolm-0.8b) at seq_len 4096 on packed
    rows with 40% targets, for each backend whose probe passed, eager and compiled (each block
    compiled on its own: one compiled graph serves all blocks, so compile takes seconds, not
-   minutes); a failing configuration prints its error row.
+   minutes); a failing configuration prints its error row. When torch_varlen takes grouped KV
+   heads unexpanded (torch 2.10/2.11 after its probe), one more compiled row copies them per
+   query head as before: the gain of the unexpanded heads in the same run.
 
 MFU uses the project's one FLOP count, `nedolm.train.flops.flops_per_token` (its docstring
 states the convention: 6 x matmul weights per token + the full-row attention term), so it
@@ -19,9 +21,11 @@ compares with the trainer's own `mfu`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -33,7 +37,9 @@ from nedolm.model import (
     preset,
     probe_backends,
     resolve_attn_impl,
+    varlen_gqa_mode,
 )
+from nedolm.model.attention import set_varlen_native_gqa
 from nedolm.train.flops import flops_per_token, peak_bf16_flops
 
 TARGET_FRACTION, EOS_ID = 0.4, 2
@@ -156,6 +162,16 @@ def throughput(
     )
 
 
+@contextlib.contextmanager
+def kv_heads_copied() -> Iterator[None]:
+    """torch_varlen with a copy of K and V per query head, the same run's reference."""
+    set_varlen_native_gqa(False)
+    try:
+        yield
+    finally:
+        set_varlen_native_gqa(True)
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -184,6 +200,7 @@ def main() -> None:
     print(f"attn_impl auto picks {resolve_attn_impl('auto', args.device)}; start-up probes:")
     for backend, why in probed.items():
         print(f"- {backend}: {'trains (forward + backward probe passed)' if why is None else why}")
+    print(f"- torch_varlen's grouped KV heads: {varlen_gqa_mode()} (see varlen_gqa_mode)")
     print()
     agreement(cfg, present, min(args.seq_len, 2048), args.device)
     trainable = [name for name, why in probed.items() if why is None]
@@ -213,6 +230,11 @@ def main() -> None:
                 mode = "compiled" if compiled else "eager"
                 print(f"| {backend} | {mode} | error: {_first_line(error)} |", flush=True)
             torch._dynamo.reset()
+    if "torch_varlen" in trainable and varlen_gqa_mode() == "native":
+        with kv_heads_copied():  # what torch_varlen ran before its grouped-heads probe
+            row = throughput(cfg, "torch_varlen", True, args, peak)
+        print(row.replace("| torch_varlen |", "| torch_varlen, KV heads copied |"), flush=True)
+        torch._dynamo.reset()
 
 
 if __name__ == "__main__":

@@ -50,10 +50,26 @@ def kernel_with_torch_2_11_signature(behaviour):
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
         window_size=(-1, -1),
     ):  # fmt: skip
-        calls.append(window_size)
+        calls.append((window_size, key.size(1)))
         return behaviour(query, key, value, cu_seq_q)
 
     return varlen_attn, calls
+
+
+def torch_varlen_present_with_torch_2_11_signature(monkeypatch, behaviour) -> list:
+    """torch_varlen made present on CPU (its kernel is CUDA-only); returns the kernel's calls:
+    (window_size, KV heads) each."""
+    from nedolm.model import attention
+
+    kernel, calls = kernel_with_torch_2_11_signature(behaviour)
+    monkeypatch.setattr(attention, "varlen_attn", kernel)
+    monkeypatch.setattr(attention, "_varlen_native_gqa", {})
+    monkeypatch.setattr(
+        select,
+        "attention_backends",
+        lambda device: {**attention_backends(device), "torch_varlen": None},
+    )
+    return calls
 
 
 def broken(query, key, value, cu_seq_q):
@@ -76,22 +92,84 @@ def test_auto_takes_a_present_backend_only_when_its_probe_passes(
     monkeypatch, caplog, behaviour, chosen, rejection
 ) -> None:
     """torch_varlen made present on CPU (its kernel is CUDA-only) with torch 2.11's signature."""
-    from nedolm.model import attention
-
-    kernel, calls = kernel_with_torch_2_11_signature(behaviour)
-    monkeypatch.setattr(attention, "varlen_attn", kernel)
-    monkeypatch.setattr(
-        select,
-        "attention_backends",
-        lambda device: {**attention_backends(device), "torch_varlen": None},
-    )
+    calls = torch_varlen_present_with_torch_2_11_signature(monkeypatch, behaviour)
     caplog.set_level(logging.INFO, logger="nedolm.model.attn_select")
     assert select.resolve_attn_impl("auto", "cpu", torch.bfloat16) == chosen
     probed = len(calls)
-    assert probed >= 1 and set(calls) == {(-1, 0)}
+    assert probed >= 1 and {window for window, _ in calls} == {(-1, 0)}
     assert select.resolve_attn_impl("auto", "cpu", torch.bfloat16) == chosen
     assert len(calls) == probed, "probed once per device and dtype"
     if rejection is not None:
         assert rejection in caplog.records[-1].getMessage()
         with pytest.raises(AttentionBackendError, match="'torch_varlen' cannot run here"):
             select.resolve_attn_impl("torch_varlen", "cpu", torch.bfloat16)
+
+
+def pairs_query_head_h_with_kv_head_h_mod_g(query, key, value, cu_seq_q):
+    """A kernel that takes fewer KV heads but groups them wrongly (h % G, not h // n_rep)."""
+    n_rep = query.size(1) // key.size(1)
+    key, value = (t.repeat(1, n_rep, 1) for t in (key, value))
+    return sdpa_computed(query, key, value, cu_seq_q)
+
+
+def needs_equal_heads(query, key, value, cu_seq_q):
+    if query.size(1) != key.size(1):
+        raise RuntimeError("Number of heads in key/value must equal the query's")
+    return sdpa_computed(query, key, value, cu_seq_q)
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "mode", "kv_heads_passed", "logged"),
+    [
+        (sdpa_computed, "native", 2, "takes grouped KV heads unexpanded"),
+        (pairs_query_head_h_with_kv_head_h_mod_g, "expanded", 6, "output differs"),
+        (needs_equal_heads, "expanded", 6, "RuntimeError: Number of heads"),
+    ],
+)
+def test_torch_2_11_varlen_attn_gets_unexpanded_kv_heads_only_once_that_is_proven(
+    monkeypatch, caplog, behaviour, mode, kv_heads_passed, logged
+) -> None:
+    """torch 2.10/2.11's varlen_attn has no enable_gqa; grouped heads go to it as they are only
+    if its output and gradients match the reference that way, and training is right either way."""
+    from nedolm.model import varlen_gqa_mode
+
+    calls = torch_varlen_present_with_torch_2_11_signature(monkeypatch, behaviour)
+    assert varlen_gqa_mode() == "unproven"
+    caplog.set_level(logging.INFO, logger="nedolm.model.attn_select")
+    assert select.resolve_attn_impl("auto", "cpu", torch.bfloat16) == "torch_varlen"
+    assert varlen_gqa_mode() == mode
+    assert any(logged in r.getMessage() for r in caplog.records)
+    torch.manual_seed(0)
+    cu_seqlens = torch.tensor([0, 5, 6, 15, 45])
+    exact = [torch.randn(45, heads, 8) for heads in (6, 2, 2)]  # GQA 3:1
+    grad = torch.randn(45, 6, 8, dtype=torch.bfloat16)
+    results = []
+    for impl in ("torch_varlen", "sdpa"):
+        inputs = [t.bfloat16().requires_grad_() for t in exact]
+        out = varlen_attention(*inputs, build_layout(impl, cu_seqlens, None, 45))
+        results.append((out, *torch.autograd.grad(out, inputs, grad)))
+    assert calls[-1] == ((-1, 0), kv_heads_passed)
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_a_varlen_attn_with_enable_gqa_is_told_so_and_needs_no_verdict(monkeypatch) -> None:
+    from nedolm.model import attention, varlen_gqa_mode
+
+    def varlen_attn_2_12(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+        window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+    ):  # fmt: skip
+        assert enable_gqa and window_size == (-1, 0)
+        return sdpa_computed(query, key, value, cu_seq_q)
+
+    monkeypatch.setattr(attention, "varlen_attn", varlen_attn_2_12)
+    monkeypatch.setattr(attention, "_varlen_native_gqa", {})
+    assert varlen_gqa_mode() == "keyword"
+    monkeypatch.setattr(
+        select,
+        "attention_backends",
+        lambda device: {**attention_backends(device), "torch_varlen": None},
+    )
+    assert select.resolve_attn_impl("torch_varlen", "cpu", torch.bfloat16) == "torch_varlen"
+    assert attention._varlen_native_gqa == {}, "no grouped-heads probe for a kernel that says"

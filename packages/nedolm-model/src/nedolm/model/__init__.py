@@ -1,6 +1,6 @@
 """NedoLM MorphTransformer: packed varlen attention, morph routing, fused assistant-only loss."""
 
-from nedolm.model.attention import AttentionBackendError, attention_backends
+from nedolm.model.attention import AttentionBackendError, attention_backends, varlen_gqa_mode
 from nedolm.model.attn_select import probe_backends, resolve_attn_impl
 from nedolm.model.config import ModelConfig, ModelConfigError, preset, preset_names
 from nedolm.model.extend import add_morph_experts, grow_vocab
@@ -38,4 +38,5 @@ __all__ = [
     "probe_backends",
     "read_hf_config",
     "resolve_attn_impl",
+    "varlen_gqa_mode",
 ]

@@ -40,6 +40,7 @@ varlen_attn = None
 if HAS_TORCH_VARLEN and torch.cuda.is_available():
     from torch.nn.attention.varlen import varlen_attn
 _varlen_parameters: dict[Any, frozenset[str]] = {}  # per varlen_attn: its parameter names
+_varlen_native_gqa: dict[Any, bool] = {}  # per varlen_attn without enable_gqa: probe's verdict
 
 BACKENDS = ("flash", "torch_varlen", "flex", "sdpa")  # auto's order of preference
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -189,9 +190,7 @@ def _torch_varlen(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu: Tensor, max_l
     """Call `varlen_attn` the way the installed torch spells it.
 
     torch 2.10: `is_causal=`; 2.11: `window_size=(-1, 0)`; 2.12+: `window_size` and
-    `enable_gqa=`. Without `enable_gqa` every query head gets its own copy of its KV head
-    (query head h reads KV head h // n_rep, as SDPA's GQA does), correct whatever the kernel
-    accepts.
+    `enable_gqa=`. See `varlen_gqa_mode` for how fewer KV heads than query heads are passed.
     """
     params = _varlen_keywords()
     if "enable_gqa" in params:
@@ -199,12 +198,36 @@ def _torch_varlen(q_THK: Tensor, k_TGK: Tensor, v_TGK: Tensor, cu: Tensor, max_l
             q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True
         )
     n_rep = q_THK.size(1) // k_TGK.size(1)
-    if n_rep > 1:
+    if n_rep > 1 and not _varlen_native_gqa.get(varlen_attn, False):
         k_TGK, v_TGK = (t.repeat_interleave(n_rep, dim=1) for t in (k_TGK, v_TGK))
     causal: dict[str, Any] = (
         {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     )
     return varlen_attn(q_THK, k_TGK, v_TGK, cu, cu, max_len, max_len, **causal)
+
+
+def varlen_gqa_mode() -> str:
+    """How `torch_varlen` gives the installed `varlen_attn` fewer KV heads than query heads.
+
+    "keyword": `enable_gqa=True` (torch 2.12+). Older releases have no such keyword, though
+    their flash kernel groups heads itself; so the KV heads are passed as they are ("native")
+    only once `nedolm.model.attn_select`'s probe has shown that this kernel's output and
+    gradients match the reference that way (`set_varlen_native_gqa`). Until then, or when that
+    probe failed, every query head gets its own copy of its KV head (query head h reads KV
+    head h // n_rep, as SDPA's GQA does): "unproven" or "expanded". "absent" without the
+    kernel (no CUDA, or torch < 2.10).
+    """
+    if varlen_attn is None:
+        return "absent"
+    if "enable_gqa" in _varlen_keywords():
+        return "keyword"
+    verdict = _varlen_native_gqa.get(varlen_attn)
+    return "unproven" if verdict is None else "native" if verdict else "expanded"
+
+
+def set_varlen_native_gqa(native: bool) -> None:
+    """Record whether the installed `varlen_attn` is to get unexpanded KV heads."""
+    _varlen_native_gqa[varlen_attn] = native
 
 
 def _varlen_keywords() -> frozenset[str]:

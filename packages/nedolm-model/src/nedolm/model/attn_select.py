@@ -26,7 +26,9 @@ from nedolm.model.attention import (
     AttentionBackendError,
     attention_backends,
     build_layout,
+    set_varlen_native_gqa,
     varlen_attention,
+    varlen_gqa_mode,
 )
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,31 @@ def _why_not_trainable(name: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 def _run_probe(name: str, device: torch.device, dtype: torch.dtype, backward: bool) -> str | None:
+    if name == "torch_varlen" and varlen_gqa_mode() == "unproven":
+        _decide_varlen_gqa(device, dtype)
+    return _compare_with_reference(name, device, dtype, backward)
+
+
+def _decide_varlen_gqa(device: torch.device, dtype: torch.dtype) -> None:
+    """Pass torch 2.10/2.11's `varlen_attn` unexpanded KV heads only if that passes the probe.
+
+    Their flash kernel groups query heads over fewer KV heads by itself, which saves a copy of
+    K and V per query head in every layer's forward and its sum in the backward; their API
+    promises nothing about it (2.12 added `enable_gqa`), so output and gradients are checked
+    against the reference that way once per process, and a kernel that fails gets copies.
+    """
+    set_varlen_native_gqa(True)
+    why = _compare_with_reference("torch_varlen", device, dtype, backward=True)
+    set_varlen_native_gqa(why is None)
+    if why is None:
+        log.info("torch_varlen: varlen_attn takes grouped KV heads unexpanded (probe passed)")
+    else:
+        log.info("torch_varlen: KV heads copied per query head; unexpanded probe failed: %s", why)
+
+
+def _compare_with_reference(
+    name: str, device: torch.device, dtype: torch.dtype, backward: bool
+) -> str | None:
     gen = torch.Generator().manual_seed(0)
     T = sum(_PROBE_LENGTHS)
     shapes = ((T, _PROBE_HEADS, _PROBE_HEAD_DIM), *[(T, _PROBE_KV_HEADS, _PROBE_HEAD_DIM)] * 2)
