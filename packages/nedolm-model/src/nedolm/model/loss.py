@@ -7,8 +7,9 @@ gradients in the forward pass (the softmax is needed for both): no chunk's logit
 iteration and backward is a scalar multiply. This costs the same three matmuls as the plain
 head, unlike recomputation by checkpointing.
 
-Memory beyond the inputs: one chunk of float32 logits (turned into its gradient in place), the
-gradient of the gathered hidden states and one float32 accumulator of the weight's gradient,
+Memory beyond the inputs: one chunk of float32 logits (turned into its gradient in place, and
+freed before the next chunk starts), the gradient of the gathered hidden states and one float32
+accumulator of the weight's gradient,
 filled a vocabulary slice at a time (a whole [W, D] half-precision product per chunk would cost
 another half of the weight) and scaled in place by backward, which therefore runs once per
 forward (a second backward through the same graph is refused by autograd's version check).
@@ -129,36 +130,84 @@ def _chunked_loss(
     )
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
-        h_CD, y_C, valid_C = hidden[rows], safe_targets_N[rows], valid_N[rows]
-        logits_CW = h_CD @ weight.T
-        if fp32_logits:
-            logits_CW = logits_CW.float()
-        logits_CV = logits_CW[:, :vocab_size]
-        target_logit_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
-        # logsumexp in place over the logits: they become exp(logit - max), then the softmax.
-        max_C = logits_CV.amax(dim=-1, keepdim=True)
-        exp_CV = logits_CV.sub_(max_C).exp_()
-        sum_C = exp_CV.sum(dim=-1, keepdim=True, dtype=torch.float32)
-        lse_C = (max_C.float() + sum_C.log()).squeeze(1)
-        loss += torch.where(valid_C, lse_C - target_logit_C.float(), 0.0).sum()
-        if not with_grads:
-            continue
-        # d(lse - logit_y) / d logits = softmax - onehot(y), zero on ignored rows and padding.
-        grad_CW = logits_CW
-        grad_CV = exp_CV.div_(sum_C)
-        grad_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
-        grad_CW[:, vocab_size:] = 0.0
-        grad_CW.mul_(valid_C[:, None])
-        if scale is not None:  # mean: scale before rounding to compute dtype, as autograd would
-            grad_CW.mul_(scale)
-        grad_CW = grad_CW.to(weight.dtype)
-        grad_hidden[rows] = grad_CW @ weight
-        for w in range(0, grad_weight.size(0), GRAD_WEIGHT_SLICE_ROWS):
-            vocab_rows = slice(w, w + GRAD_WEIGHT_SLICE_ROWS)
-            grad_weight[vocab_rows] += grad_CW[:, vocab_rows].T @ h_CD
+        loss += _add_chunk(
+            hidden[rows],
+            weight,
+            safe_targets_N[rows],
+            valid_N[rows],
+            vocab_size,
+            fp32_logits,
+            scale,
+            grad_hidden[rows] if with_grads else None,
+            grad_weight if with_grads else None,
+        )
     if scale is not None:
         loss = loss * scale
     return loss, grad_hidden, grad_weight
+
+
+def _add_chunk(
+    h_CD: Tensor,
+    weight: Tensor,
+    y_C: Tensor,
+    valid_C: Tensor,
+    vocab_size: int,
+    fp32_logits: bool,
+    scale: Tensor | None,
+    grad_hidden_CD: Tensor | None,
+    grad_weight: Tensor | None,
+) -> Tensor:
+    """One chunk's summed loss; given the gradient buffers, also adds its gradients into them.
+
+    A function of its own, as is `_chunk_loss_and_logits_grad`: a chunk's temporaries are freed
+    when it returns, so none of them is alive while the next chunk allocates its logits.
+    """
+    loss_C, grad_CW = _chunk_loss_and_logits_grad(
+        h_CD, weight, y_C, valid_C, vocab_size, fp32_logits, scale, grad_weight is not None
+    )
+    if grad_CW is None or grad_hidden_CD is None or grad_weight is None:
+        return loss_C
+    torch.mm(grad_CW, weight, out=grad_hidden_CD)
+    for w in range(0, grad_weight.size(0), GRAD_WEIGHT_SLICE_ROWS):
+        vocab_rows = slice(w, w + GRAD_WEIGHT_SLICE_ROWS)
+        grad_weight[vocab_rows] += grad_CW[:, vocab_rows].T @ h_CD
+    return loss_C
+
+
+def _chunk_loss_and_logits_grad(
+    h_CD: Tensor,
+    weight: Tensor,
+    y_C: Tensor,
+    valid_C: Tensor,
+    vocab_size: int,
+    fp32_logits: bool,
+    scale: Tensor | None,
+    with_grads: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """(summed loss of the chunk's valid rows, d loss / d logits [C, W] in the weight's dtype or
+    None); the float32 logits die with this call, before the gradient matmuls run."""
+    logits_CW = h_CD @ weight.T
+    if fp32_logits:
+        logits_CW = logits_CW.float()
+    logits_CV = logits_CW[:, :vocab_size]
+    target_logit_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
+    # logsumexp in place over the logits: they become exp(logit - max), then the softmax.
+    max_C = logits_CV.amax(dim=-1, keepdim=True)
+    exp_CV = logits_CV.sub_(max_C).exp_()
+    sum_C = exp_CV.sum(dim=-1, keepdim=True, dtype=torch.float32)
+    lse_C = (max_C.float() + sum_C.log()).squeeze(1)
+    loss_C = torch.where(valid_C, lse_C - target_logit_C.float(), 0.0).sum()
+    if not with_grads:
+        return loss_C, None
+    # d(lse - logit_y) / d logits = softmax - onehot(y), zero on ignored rows and padding.
+    grad_CW = logits_CW
+    grad_CV = exp_CV.div_(sum_C)
+    grad_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
+    grad_CW[:, vocab_size:] = 0.0
+    grad_CW.mul_(valid_C[:, None])
+    if scale is not None:  # mean: scale before rounding to compute dtype, as autograd would
+        grad_CW.mul_(scale)
+    return loss_C, grad_CW.to(weight.dtype)
 
 
 @_fused_head.register_fake
@@ -183,6 +232,9 @@ def _(
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
     _, grad_hidden, grad_weight = output
     ctx.save_for_backward(grad_hidden, grad_weight)
+    # Backward uses only the loss's gradient: materialised zeros for the two gradient outputs
+    # would cost another [W, D] float32 buffer, the head's peak.
+    ctx.set_materialize_grads(False)
     ctx.hidden_dtype, ctx.weight_dtype = inputs[0].dtype, inputs[1].dtype
 
 
