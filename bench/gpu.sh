@@ -34,7 +34,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 # Each script stops starting new sections after its --budget-s; the hard timeouts only guard
-# against a hang (130 + 35 + 300 s: under 8 minutes together).
+# against a hang (160 + 35 + 285 s: under 8 minutes together).
 if [[ $smoke == 1 ]]; then
     model_args=(--device cpu --preset tiny --seq-len 128 --batch 1 --steps 1 --budget-s 10)
     loss_args=(--device cpu --rows 512 --vocab 1000 --dim 64)
@@ -47,7 +47,7 @@ else
     command -v nvidia-smi >/dev/null || { echo "no NVIDIA GPU here (bench/gpu.sh --smoke checks the scripts on a CPU)" >&2; exit 2; }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")'
-    model_args=(--budget-s 90)
+    model_args=(--budget-s 110)
     loss_args=()
     trainer_args=(--budget-s 240)
     {
@@ -57,8 +57,8 @@ else
 fi
 
 status=0
-timeout 130 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
+timeout 160 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
 timeout 35 "$PYTHON" bench/loss_gpu.py "${loss_args[@]}" 2>&1 | tee -a "$out" || status=1
-timeout 300 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
+timeout 285 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
 echo "tables written to $out"
 exit $status

@@ -8,9 +8,11 @@
 2. Training-step tokens/s and MFU of a preset (default nedolm-0.8b) at seq_len 4096 on packed
    rows with 40% targets, for each backend whose probe passed, eager and compiled (each block
    compiled on its own: one compiled graph serves all blocks, so compile takes seconds, not
-   minutes); a failing configuration prints its error row. When torch_varlen takes grouped KV
-   heads unexpanded (torch 2.10/2.11 after its probe), one more compiled row copies them per
-   query head as before: the gain of the unexpanded heads in the same run.
+   minutes); a failing configuration prints its error row. Right after `auto`'s backend come
+   the variants under evaluation, compiled: `grouped` morph dispatch (grouped GEMMs, the FLOPs
+   the MFU counts) against the preset's `masked`, and, when torch_varlen takes grouped KV heads
+   unexpanded (torch 2.10/2.11 after its probe), torch_varlen with them copied per query head
+   as before: each gain measured in the same run.
 
 MFU uses the project's one FLOP count, `nedolm.train.flops.flops_per_token` (its docstring
 states the convention: 6 x matmul weights per token + the full-row attention term), so it
@@ -25,7 +27,8 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -121,7 +124,12 @@ def _first_line(error: Exception) -> str:
 
 
 def throughput(
-    cfg: ModelConfig, backend: str, compiled: bool, args: argparse.Namespace, peak_tflops: float
+    cfg: ModelConfig,
+    backend: str,
+    compiled: bool,
+    args: argparse.Namespace,
+    peak_tflops: float,
+    label: str,
 ) -> str:
     model = build(cfg, backend, args.device)
     if compiled:
@@ -157,7 +165,7 @@ def throughput(
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
     mode = "compiled" if compiled else "eager"
     return (
-        f"| {backend} | {mode} | {secs * 1e3:.0f} | {tokens / secs:,.0f} | {mfu} | "
+        f"| {label} | {mode} | {secs * 1e3:.0f} | {tokens / secs:,.0f} | {mfu} | "
         f"{compile_s:.0f} | {peak_mem:.1f} |"
     )
 
@@ -184,7 +192,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--dispatch", default="masked", choices=["masked", "sparse"])
+    parser.add_argument("--dispatch", default="masked", choices=["masked", "sparse", "grouped"])
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak")
     parser.add_argument("--budget-s", type=float, default=420, help="skip configs after this")
     args = parser.parse_args()
@@ -214,27 +222,45 @@ def main() -> None:
     print(f"AdamW, median of {args.steps} steps\n")
     print("| backend | mode | step ms | tokens/s | MFU | compile s | peak GiB |")
     print("|---|---|---|---|---|---|---|")
-    for backend in trainable:
-        for compiled in (False, True):
-            if time.perf_counter() - began > args.budget_s:
-                print(f"| {backend} | {'compiled' if compiled else 'eager'} | skipped: budget |")
-                continue
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                print(throughput(cfg, backend, compiled, args, peak), flush=True)
-            except torch.OutOfMemoryError:
-                print(f"| {backend} | {'compiled' if compiled else 'eager'} | OOM: lower --batch |")
-            except Exception as error:  # the next configuration still runs
-                mode = "compiled" if compiled else "eager"
-                print(f"| {backend} | {mode} | error: {_first_line(error)} |", flush=True)
-            torch._dynamo.reset()
-    if "torch_varlen" in trainable and varlen_gqa_mode() == "native":
-        with kv_heads_copied():  # what torch_varlen ran before its grouped-heads probe
-            row = throughput(cfg, "torch_varlen", True, args, peak)
-        print(row.replace("| torch_varlen |", "| torch_varlen, KV heads copied |"), flush=True)
+    for label, backend, compiled, row_cfg, context in step_rows(cfg, trainable, args.dispatch):
+        mode = "compiled" if compiled else "eager"
+        if time.perf_counter() - began > args.budget_s:
+            print(f"| {label} | {mode} | skipped: budget |")
+            continue
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            with context():
+                print(throughput(row_cfg, backend, compiled, args, peak, label), flush=True)
+        except torch.OutOfMemoryError:
+            print(f"| {label} | {mode} | OOM: lower --batch |")
+        except Exception as error:  # the next configuration still runs
+            print(f"| {label} | {mode} | error: {_first_line(error)} |", flush=True)
         torch._dynamo.reset()
+
+
+class StepRow(NamedTuple):
+    label: str
+    backend: str
+    compiled: bool
+    cfg: ModelConfig
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def step_rows(cfg: ModelConfig, trainable: list[str], dispatch: str) -> list[StepRow]:
+    """Each trainable backend eager and compiled; right after `auto`'s choice (the first), the
+    variants under evaluation, compiled: grouped morph dispatch, and torch_varlen with its KV
+    heads copied when it takes them unexpanded."""
+    rows = [StepRow(b, b, compiled, cfg) for b in trainable for compiled in (False, True)]
+    variants = []
+    if trainable and cfg.n_morph_classes and dispatch != "grouped":
+        grouped = dataclasses.replace(cfg, morph_dispatch="grouped")
+        variants.append(StepRow(f"{trainable[0]}, grouped dispatch", trainable[0], True, grouped))
+    if "torch_varlen" in trainable and varlen_gqa_mode() == "native":
+        label = "torch_varlen, KV heads copied"
+        variants.append(StepRow(label, "torch_varlen", True, cfg, kv_heads_copied))
+    return rows[:2] + variants + rows[2:]
 
 
 if __name__ == "__main__":

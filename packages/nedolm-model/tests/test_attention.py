@@ -67,7 +67,7 @@ def run_packed(model, row, lengths):
 
 
 @pytest.mark.parametrize("backend", AVAILABLE)
-@pytest.mark.parametrize("dispatch", ["masked", "sparse"])
+@pytest.mark.parametrize("dispatch", ["masked", "sparse", "grouped"])
 def test_packed_row_equals_each_conversation_alone(make_model, backend: str, dispatch: str) -> None:
     device = device_of(backend)
     model = make_model(attn_impl=backend, morph_dispatch=dispatch).to(device).eval()

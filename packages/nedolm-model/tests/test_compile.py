@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 
@@ -26,9 +28,10 @@ def packed_batch(vocab_size: int):
     return input_ids, labels, dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
 
 
+@pytest.mark.parametrize("dispatch", ["masked", "grouped"])
 @pytest.mark.parametrize("planned", [True, False], ids=["eager-plan", "op-plan"])
-def test_masked_block_traces_as_one_graph(make_model, planned: bool) -> None:
-    model = make_model(morph_dispatch="masked")
+def test_static_dispatch_block_traces_as_one_graph(make_model, planned: bool, dispatch) -> None:
+    model = make_model(morph_dispatch=dispatch)
     input_ids, _, layout = packed_batch(model.cfg.vocab_size)
     ids_T, positions_T = input_ids.reshape(-1), layout["position_ids"].reshape(-1)
     args = (
@@ -76,6 +79,11 @@ def assert_compiled_training_matches_eager(
 @pytest.mark.parametrize("grad_checkpoint", [False, True])
 def test_compiled_forward_backward_matches_eager(make_model, grad_checkpoint: bool) -> None:
     assert_compiled_training_matches_eager(make_model, "aot_eager", 1e-5, grad_checkpoint)
+
+
+def test_compiled_grouped_dispatch_trains_as_eager(make_model) -> None:
+    grouped = functools.partial(make_model, morph_dispatch="grouped")
+    assert_compiled_training_matches_eager(grouped, "aot_eager", 1e-5)
 
 
 @pytest.mark.slow

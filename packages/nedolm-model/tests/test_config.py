@@ -66,3 +66,12 @@ def test_preset_overrides_and_errors() -> None:
         preset("huge")
     with pytest.raises(ModelConfigError, match="d_modle"):
         preset("tiny", d_modle=128)
+
+
+def test_grouped_dispatch_on_a_torch_without_grouped_gemms_is_refused(monkeypatch) -> None:
+    import torch
+
+    assert preset("tiny", morph_dispatch="grouped").morph_dispatch == "grouped"
+    monkeypatch.delattr(torch, "_grouped_mm")
+    with pytest.raises(ModelConfigError, match=r"'grouped' needs torch._grouped_mm.*'masked'"):
+        preset("tiny", morph_dispatch="grouped")

@@ -16,7 +16,7 @@ def full_recompute(model, prompt, max_new_tokens, temperature=0.0, top_p=1.0, ge
     return ids[len(prompt) :], steps
 
 
-@pytest.mark.parametrize("dispatch", ["masked", "sparse"])
+@pytest.mark.parametrize("dispatch", ["masked", "sparse", "grouped"])
 def test_kv_cache_greedy_equals_full_recomputation(make_model, dispatch: str) -> None:
     model = make_model(seed=5, morph_dispatch=dispatch).train()
     prompt = [7, 19, 3, 100, 42]

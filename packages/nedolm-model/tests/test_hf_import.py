@@ -227,7 +227,7 @@ def test_grown_vocab_keeps_every_old_logit(tmp_path, tied) -> None:
         grow_vocab(grown, VOCAB)
 
 
-@pytest.mark.parametrize("dispatch", ["masked", "sparse"])
+@pytest.mark.parametrize("dispatch", ["masked", "sparse", "grouped"])
 def test_morph_experts_on_a_dense_base_change_nothing_at_step_0(tmp_path, dispatch) -> None:
     _, hf_dir = llama(tmp_path, tie_word_embeddings=False)
     dense = import_hf(hf_dir, attn_impl="sdpa").eval()

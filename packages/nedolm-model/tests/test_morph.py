@@ -61,7 +61,7 @@ def slow_experts(experts: MorphExperts, x_TD: torch.Tensor, classes_T: torch.Ten
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("dispatch", ["masked", "sparse"])
+@pytest.mark.parametrize("dispatch", ["masked", "sparse", "grouped"])
 def test_dispatch_equals_per_token_experts(dispatch: str) -> None:
     torch.manual_seed(0)
     experts = MorphExperts(d_model=32, n_classes=3, expert_dim=8, dispatch=dispatch)
@@ -73,9 +73,10 @@ def test_dispatch_equals_per_token_experts(dispatch: str) -> None:
     torch.testing.assert_close(got, slow_experts(experts, x_TD, classes_T), atol=1e-5, rtol=1e-5)
 
 
-def test_masked_and_sparse_agree_in_loss_and_every_gradient(make_model) -> None:
+@pytest.mark.parametrize("dispatch", ["sparse", "grouped"])
+def test_masked_and_other_dispatch_agree_in_loss_and_every_gradient(make_model, dispatch) -> None:
     masked = make_model(seed=3, morph_dispatch="masked")
-    sparse = make_model(seed=4, morph_dispatch="sparse")
+    sparse = make_model(seed=4, morph_dispatch=dispatch)
     sparse.load_state_dict(masked.state_dict())
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, masked.cfg.vocab_size, (2, 48), generator=gen)
@@ -99,3 +100,66 @@ def test_masked_and_sparse_agree_in_loss_and_every_gradient(make_model) -> None:
     grads_sparse = dict(sparse.named_parameters())
     for name, param in masked.named_parameters():
         assert relative_error(grads_sparse[name].grad, param.grad) <= 1e-5, name
+
+
+def test_grouped_dispatch_puts_each_class_in_an_aligned_zero_padded_group() -> None:
+    from nedolm.model.morph import GROUP_ALIGN
+
+    classes_T = torch.tensor([2, 0, 2, 2, 0] + [1] * 17)
+    route = MorphRoute(classes_T, 3, 8, "grouped")
+    T = len(classes_T)
+    assert route.grouped_rows == -(-(T + 3 * (GROUP_ALIGN - 1)) // GROUP_ALIGN) * GROUP_ALIGN
+    starts = [0, 16, 48]  # class 0: 2 tokens, class 1: 17 tokens -> 32 rows, then class 2
+    assert route.group_ends_C.tolist() == [16, 48, route.grouped_rows]
+    assert route.group_ends_C.dtype == torch.int32
+    for c, start in enumerate(starts):
+        tokens = (classes_T == c).nonzero().flatten()  # in token order within the group
+        assert route.slot_T[tokens].tolist() == list(range(start, start + len(tokens)))
+
+
+def test_grouped_dispatch_in_bf16_autocast_matches_masked() -> None:
+    """autocast does not cover torch._grouped_mm: the experts cast to autocast's dtype as
+    F.linear would, and so equal masked dispatch to bf16 rounding, forward and backward."""
+    torch.manual_seed(0)
+    results = []
+    for dispatch in ("masked", "grouped"):
+        torch.manual_seed(0)
+        experts = MorphExperts(d_model=32, n_classes=3, expert_dim=16, dispatch=dispatch)
+        for param in experts.parameters():
+            torch.nn.init.normal_(param, std=0.3)
+        torch.manual_seed(1)
+        x_TD = torch.randn(50, 32, requires_grad=True)
+        classes_T = torch.randint(0, 3, (50,))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = experts(x_TD, MorphRoute(classes_T, 3, 16, dispatch))
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        results.append((out.float(), x_TD.grad, *(p.grad for p in experts.parameters())))
+    for got, want in zip(*results, strict=True):
+        assert relative_error(got, want) <= 2e-2
+
+
+def test_grouped_dispatch_compiles_in_bf16_as_one_graph_that_agrees_with_eager() -> None:
+    torch.manual_seed(0)
+    experts = MorphExperts(d_model=32, n_classes=3, expert_dim=16, dispatch="grouped")
+    for param in experts.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    classes_T = torch.randint(0, 3, (50,))
+
+    def run(x_TD: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return experts(x_TD, MorphRoute(classes_T, 3, 16, "grouped"))
+
+    x_TD = torch.randn(50, 32)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(run)(x_TD)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    results = []
+    for fn in (run, torch.compile(run, backend="aot_eager", fullgraph=True)):
+        x = x_TD.clone().requires_grad_()
+        out = fn(x)
+        out.float().square().sum().backward()
+        results.append((out, x.grad, *(p.grad for p in experts.parameters())))
+        experts.zero_grad(set_to_none=True)
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)

@@ -59,7 +59,7 @@ def test_relative_paths_resolve_against_the_yaml_dir(tmp_path: Path) -> None:
         ),
         (
             MINIMAL.replace("train: {}", "train: {morph_dispatch: dense}"),
-            "`train.morph_dispatch`: 'dense' is not one of: masked, sparse",
+            "`train.morph_dispatch`: 'dense' is not one of: grouped, masked, sparse",
         ),
         ("- a\n- b\n", "expected a mapping of keys, got list"),
         (MINIMAL.replace("data_dir: d\n", ""), "missing required field `data_dir`"),

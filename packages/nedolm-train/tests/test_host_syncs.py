@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,11 +32,14 @@ class ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_an_optimizer_step_reads_a_scalar_from_the_device_at_most_once(corpus: Path, harness):
+@pytest.mark.parametrize("dispatch", ["masked", "grouped"])
+def test_an_optimizer_step_reads_a_scalar_from_the_device_at_most_once(
+    corpus: Path, harness, dispatch: str
+):
     special = read_special_tokens(corpus)
     torch.manual_seed(0)
-    # The default dispatch: static shapes (sparse dispatch indexes tokens by class, a read).
-    dims = {**harness.TINY, "vocab_size": special.vocab_size, "morph_dispatch": "masked"}
+    # The static-shape dispatches (sparse dispatch indexes tokens by class, a read).
+    dims = {**harness.TINY, "vocab_size": special.vocab_size, "morph_dispatch": dispatch}
     model = build_model(preset("tiny", **dims))
     loader, _ = build_sft_loader(corpus, harness.SEQ_LEN, micro_batch_size=2, seed=3)
     batches = iter(loader)

@@ -11,7 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-MORPH_DISPATCHES = ("masked", "sparse")
+import torch
+
+MORPH_DISPATCHES = ("masked", "sparse", "grouped")
 ATTN_IMPLS = ("auto", "flash", "torch_varlen", "flex", "sdpa")
 VOCAB_MULTIPLE = 64  # embedding rows are padded so matmuls over the vocabulary stay aligned
 # Llama 3.1 rotary scaling parameters, named as in Hugging Face configs.
@@ -39,7 +41,7 @@ class ModelConfig:
     ffn_dim: int = 704  # hidden width of the shared SwiGLU
     n_morph_classes: int = 0  # morph experts per block; 0 disables morph routing
     morph_expert_dim: int = 0  # hidden width of each morph expert's SwiGLU
-    morph_dispatch: str = "masked"  # "masked" (static shapes) or "sparse" (fewer FLOPs)
+    morph_dispatch: str = "masked"  # "masked", "sparse" or "grouped" (nedolm.model.morph)
     attn_impl: str = "auto"  # "auto", "flash", "torch_varlen", "flex" or "sdpa"
     max_seq_len: int = 1024  # longest sequence (rotary table length)
     rope_theta: float = 10000.0  # rotary base
@@ -88,6 +90,11 @@ def _field_errors(cfg: ModelConfig) -> list[str]:
     if cfg.morph_dispatch not in MORPH_DISPATCHES:
         errors.append(
             f"morph_dispatch must be one of {MORPH_DISPATCHES}, got {cfg.morph_dispatch!r}"
+        )
+    elif cfg.morph_dispatch == "grouped" and not hasattr(torch, "_grouped_mm"):
+        errors.append(
+            f"morph_dispatch 'grouped' needs torch._grouped_mm (torch >= 2.8), "
+            f"torch {torch.__version__} has none: use 'masked'"
         )
     if cfg.attn_impl not in ATTN_IMPLS:
         errors.append(f"attn_impl must be one of {ATTN_IMPLS}, got {cfg.attn_impl!r}")

@@ -122,7 +122,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     compile_backend: str = "inductor"
     """torch.compile backend; 'aot_eager' compiles the graph without codegen (fast tests)."""
     grad_checkpoint: bool = False
-    morph_dispatch: Literal["masked", "sparse"] | None = None
+    morph_dispatch: Literal["masked", "sparse", "grouped"] | None = None
     """Overrides the base model's morph_dispatch when set."""
     assistant_only_head: bool = True
     """Fused loss head (targets only); off = full logits + cross-entropy (reference path)."""
