@@ -54,6 +54,7 @@ from nedolm.train.metrics import MetricsWriter, read_metrics, setup_logging
 from nedolm.train.setup import prepare_run
 from nedolm.train.signals import StopRequest
 from nedolm.train.state import load_model_weights
+from nedolm.train.testing import sft_paths
 
 DEFAULT = Path(__file__).resolve().parents[1] / "apps" / "sft" / "src" / "nedolm_sft" / "default"
 TARGET = 0.15
@@ -87,10 +88,7 @@ def _prepare(root: Path, args: argparse.Namespace) -> Path:
         },
     )
     config = {
-        "run_dir": str(root / "run"),
-        "base_config": str(root / "base" / "config.yaml"),
-        "base_run_dir": str(root / "base"),
-        "data_dir": str(data),
+        **sft_paths(root / "run", root / "base", data),
         "optim": {"warmup_steps": 1},
         "train": {
             "seq_len": SEQ_LEN,

@@ -44,6 +44,7 @@ from nedolm.train.metrics import MetricsWriter, setup_logging
 from nedolm.train.setup import prepare_run
 from nedolm.train.signals import StopRequest
 from nedolm.train.step import StepResult, StepSettings, train_step
+from nedolm.train.testing import sft_paths
 
 DEFAULT = Path(__file__).resolve().parents[1] / "apps" / "sft" / "src" / "nedolm_sft" / "default"
 TARGET = 0.03
@@ -63,10 +64,7 @@ def _prepare(root: Path, args: argparse.Namespace) -> Path:
         overrides={"max_seq_len": args.seq_len},
     )
     config = {
-        "run_dir": str(root / "run"),
-        "base_config": str(root / "base" / "config.yaml"),
-        "base_run_dir": str(root / "base"),
-        "data_dir": str(data),
+        **sft_paths(root / "run", root / "base", data),
         "optim": {"warmup_steps": 2},
         "train": {
             "seq_len": args.seq_len,

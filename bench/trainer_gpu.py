@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from nedolm.train.testing import sft_paths
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "apps/sft/src/nedolm_sft/default"
 FIXTURES = REPO / "packages/nedolm-data/tests/fixtures"
@@ -100,10 +102,7 @@ def prepare(plan: Plan, root: Path) -> tuple[Path, Path]:
 
 def write_config(path: Path, plan: Plan, corpus: Path, base: Path, **train: object) -> Path:
     doc = {
-        "run_dir": str(path.with_suffix("")),
-        "base_config": str(base / "config.yaml"),
-        "base_run_dir": str(base),
-        "data_dir": str(corpus),
+        **sft_paths(path.with_suffix(""), base, corpus),
         "optim": {"lr": 1e-5, "warmup_steps": 2},
         "train": {
             "seq_len": plan.seq_len,

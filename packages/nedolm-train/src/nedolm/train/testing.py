@@ -111,14 +111,22 @@ class LaunchedJob:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def sft_paths(run_dir: Path, base: Path, corpus: Path) -> dict[str, str]:
+    """The path keys of an SFT YAML: a run in ``run_dir`` of the base run ``base`` on the
+    prepared ``corpus``."""
+    return {
+        "run_dir": str(run_dir),
+        "base_config": str(base / "config.yaml"),
+        "base_run_dir": str(base),
+        "data_dir": str(corpus),
+    }
+
+
 def write_stop_test_config(path: Path, corpus: Path, base: Path, **train: object) -> Path:
     """A small SFT YAML for signal tests, its run dir ``path`` without its suffix: 8 eager steps
     of one 256-token window, a stop honoured at every step, no validation; ``train`` overrides."""
     doc = {
-        "run_dir": str(path.with_suffix("")),
-        "base_config": str(base / "config.yaml"),
-        "base_run_dir": str(base),
-        "data_dir": str(corpus),
+        **sft_paths(path.with_suffix(""), base, corpus),
         "optim": {"lr": 3e-3, "warmup_steps": 2},
         "train": {
             "seq_len": 256,
