@@ -23,7 +23,7 @@ lets callers pad the target rows to a size of their choosing.
 # Shape legend: N target rows, D model dim, V logical vocab, W padded vocab, C chunk rows.
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -128,46 +128,44 @@ def _chunked_loss(
     grad_weight = (
         torch.zeros_like(weight, dtype=torch.float32) if with_grads else weight.new_empty(0)
     )
+    head = _Head(weight, vocab_size, fp32_logits, scale)
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
-        loss += _add_chunk(
-            hidden[rows],
-            weight,
-            safe_targets_N[rows],
-            valid_N[rows],
-            vocab_size,
-            fp32_logits,
-            scale,
-            grad_hidden[rows] if with_grads else None,
-            grad_weight if with_grads else None,
-        )
+        chunk = (hidden[rows], safe_targets_N[rows], valid_N[rows])
+        if with_grads:
+            loss += _add_chunk(head, *chunk, grad_hidden[rows], grad_weight)
+        else:
+            loss += _chunk_loss_and_logits_grad(head, *chunk, with_grads=False)[0]
     if scale is not None:
         loss = loss * scale
     return loss, grad_hidden, grad_weight
 
 
+class _Head(NamedTuple):
+    """What every chunk of one head call shares."""
+
+    weight: Tensor
+    vocab_size: int
+    fp32_logits: bool
+    scale: Tensor | None  # 1 / the valid target count for a mean, else None
+
+
 def _add_chunk(
+    head: _Head,
     h_CD: Tensor,
-    weight: Tensor,
     y_C: Tensor,
     valid_C: Tensor,
-    vocab_size: int,
-    fp32_logits: bool,
-    scale: Tensor | None,
-    grad_hidden_CD: Tensor | None,
-    grad_weight: Tensor | None,
+    grad_hidden_CD: Tensor,
+    grad_weight: Tensor,
 ) -> Tensor:
-    """One chunk's summed loss; given the gradient buffers, also adds its gradients into them.
+    """One chunk's summed loss, its gradients added into the buffers given.
 
     A function of its own, as is `_chunk_loss_and_logits_grad`: a chunk's temporaries are freed
     when it returns, so none of them is alive while the next chunk allocates its logits.
     """
-    loss_C, grad_CW = _chunk_loss_and_logits_grad(
-        h_CD, weight, y_C, valid_C, vocab_size, fp32_logits, scale, grad_weight is not None
-    )
-    if grad_CW is None or grad_hidden_CD is None or grad_weight is None:
-        return loss_C
-    torch.mm(grad_CW, weight, out=grad_hidden_CD)
+    loss_C, grad_CW = _chunk_loss_and_logits_grad(head, h_CD, y_C, valid_C, with_grads=True)
+    assert grad_CW is not None
+    torch.mm(grad_CW, head.weight, out=grad_hidden_CD)
     for w in range(0, grad_weight.size(0), GRAD_WEIGHT_SLICE_ROWS):
         vocab_rows = slice(w, w + GRAD_WEIGHT_SLICE_ROWS)
         grad_weight[vocab_rows] += grad_CW[:, vocab_rows].T @ h_CD
@@ -175,19 +173,13 @@ def _add_chunk(
 
 
 def _chunk_loss_and_logits_grad(
-    h_CD: Tensor,
-    weight: Tensor,
-    y_C: Tensor,
-    valid_C: Tensor,
-    vocab_size: int,
-    fp32_logits: bool,
-    scale: Tensor | None,
-    with_grads: bool,
+    head: _Head, h_CD: Tensor, y_C: Tensor, valid_C: Tensor, *, with_grads: bool
 ) -> tuple[Tensor, Tensor | None]:
     """(summed loss of the chunk's valid rows, d loss / d logits [C, W] in the weight's dtype or
     None); the float32 logits die with this call, before the gradient matmuls run."""
+    weight, vocab_size, scale = head.weight, head.vocab_size, head.scale
     logits_CW = h_CD @ weight.T
-    if fp32_logits:
+    if head.fp32_logits:
         logits_CW = logits_CW.float()
     logits_CV = logits_CW[:, :vocab_size]
     target_logit_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
