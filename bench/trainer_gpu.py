@@ -1,7 +1,7 @@
 """The product on a GPU, not only the model (run by bench/gpu.sh after bench/model_gpu.py).
 
     python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--budget-s 240] [--keep DIR]
-                                [--launch-only]
+                                [--launch-only] [--dispatch masked|sparse|grouped]
 
 c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample and the glaive
    tool-call chats, plus any --data files) at seq_len 4096, nedolm-0.8b, compiled, ~30 steps:
@@ -174,7 +174,8 @@ def run_model_config(config: Path):
     from nedolm.train.base import base_run_config, model_config
     from nedolm.train.config import load_sft_config
 
-    return model_config(base_run_config(load_sft_config(config)))
+    sft = load_sft_config(config)
+    return model_config(base_run_config(sft), morph_dispatch=sft.train.morph_dispatch)
 
 
 def real_micro_batches(plan: Plan, config: Path, count: int):
@@ -344,6 +345,11 @@ def main() -> None:
     parser.add_argument(
         "--launch-only", action="store_true", help="only (e): a short check of the launcher"
     )
+    parser.add_argument(
+        "--dispatch",
+        choices=["masked", "sparse", "grouped"],
+        help="train.morph_dispatch of (c) (default: the preset's)",
+    )
     args = parser.parse_args()
     plan = plan_for(args)
     if plan.device == "cuda" and not torch.cuda.is_available():
@@ -353,7 +359,8 @@ def main() -> None:
         root = Path(tmp)
         corpus, base = prepare(plan, root)
         print(f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files\n")
-        config = write_config(root / "run.yaml", plan, corpus, base)
+        dispatch = {"morph_dispatch": args.dispatch} if args.dispatch else {}
+        config = write_config(root / "run.yaml", plan, corpus, base, **dispatch)
         trainer_tps = trainer_section(plan, config, args.keep) if not args.launch_only else 0.0
         sections = (
             lambda: model_step_section(plan, config, trainer_tps),
