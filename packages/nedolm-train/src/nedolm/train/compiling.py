@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 SEGMENTS_PER_ROW = 8
 """Conversations per row of the warm-up batch (the count is dynamic: any will do)."""
 
+LONGEST_SEGMENT_SOURCE = "L['max_seqlen']"
+"""The model forward's ``max_seqlen`` argument, as dynamo names it."""
+
 
 def dynamo_counts() -> tuple[int, int]:
     """(frames compiled, graph breaks) in this process so far, from dynamo's counters."""
@@ -71,6 +74,25 @@ def _recompile_log() -> _RecompileLog:
     _RECOMPILES.armed = False
     _RECOMPILES.recompiles = 0
     return _RECOMPILES
+
+
+def trace_longest_segment_dynamically() -> bool:
+    """Have every later compile in this process trace the forward's ``max_seqlen`` as a symbol.
+
+    It is the micro-batch's longest conversation (the kernel backends size their grids by
+    it), so it changes almost every step; dynamo specialises an int argument on its first
+    value and recompiles the whole model at the first other one. Listed in
+    ``torch.compiler.config.dynamic_sources`` (after any sources the user set there or in
+    TORCH_COMPILE_DYNAMIC_SOURCES) it is dynamic from the first trace. False where torch
+    has no such setting: then the first new value recompiles once (and is logged).
+    """
+    config = torch.compiler.config
+    if not hasattr(config, "dynamic_sources"):
+        return False
+    sources = [source for source in config.dynamic_sources.split(",") if source]
+    if LONGEST_SEGMENT_SOURCE not in sources:
+        config.dynamic_sources = ",".join([*sources, LONGEST_SEGMENT_SOURCE])
+    return True
 
 
 def warmup_batch(
@@ -115,6 +137,8 @@ def compile_and_warm_up(
         started = time.monotonic()
         frames, breaks = dynamo_counts()
         maybe_inject("compile_warmup", info.rank)
+        if not trace_longest_segment_dynamically():
+            log.info("torch %s cannot trace max_seqlen dynamically", torch.__version__)
         compiled = torch.compile(base_model, **compile_args)
         mb = warmup_batch(
             base_model.cfg.vocab_size, micro_batch, seq_len, settings.eos_id, info.device

@@ -17,6 +17,7 @@ it too, with a batch of the same shape, so it compiles the graph that training r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -79,6 +80,7 @@ class MicroBatch:
     position_ids: Tensor  # [B, S], 0 at every segment start
     target_index: Tensor  # int64 [TARGET_ROWS * k] flattened target positions, -1 padded
     targets: int  # number of trained positions
+    max_seqlen: int  # longest segment: sizes the kernel backends' grids (not the row length)
 
 
 TARGET_ROWS = 128
@@ -91,9 +93,10 @@ def to_micro_batch(batch: dict[str, Tensor], device: torch.device, eos_id: int) 
     Everything is derived on the CPU from the loader's (pinned) batch, so no step of it waits
     for the device, and then copied over without blocking. What varies from batch to batch,
     the segment and the target counts, is marked dynamic for torch.compile (the target rows
-    are also padded to a multiple of ``TARGET_ROWS``, never fewer), so a compiled model is
-    traced once; the token tensors get canonical strides (a [1, S] view of the [1, S + 1]
-    rows would otherwise recompile it).
+    are also padded to a multiple of ``TARGET_ROWS``, never fewer; the longest segment is
+    made dynamic by ``nedolm.train.compiling``), so a compiled model is traced once; the
+    token tensors get canonical strides (a [1, S] view of the [1, S + 1] rows would
+    otherwise recompile it).
     """
     tokens, mask = batch["tokens"].long(), batch["trainable_mask"][:, 1:]
     inputs = tokens[:, :-1].clone(memory_format=torch.contiguous_format)
@@ -103,7 +106,11 @@ def to_micro_batch(batch: dict[str, Tensor], device: torch.device, eos_id: int) 
     target_index = torch.full((_padded_rows(positions.numel()),), -1, dtype=torch.long)
     target_index[: positions.numel()] = positions
     host = (inputs, labels, cu_seqlens, position_ids, target_index)
-    mb = MicroBatch(*(_to_device(t, device) for t in host), targets=positions.numel())
+    bounds = cu_seqlens.tolist()  # host memory: plain Python, no tensor op per batch
+    longest = max(end - start for start, end in itertools.pairwise(bounds))
+    mb = MicroBatch(
+        *(_to_device(t, device) for t in host), targets=positions.numel(), max_seqlen=longest
+    )
     for varying in (mb.cu_seqlens, mb.target_index):
         torch._dynamo.maybe_mark_dynamic(varying, 0)
     return mb
@@ -124,7 +131,7 @@ def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
     """Summed cross-entropy over the micro-batch's targets."""
     layout = {
         "cu_seqlens": mb.cu_seqlens,
-        "max_seqlen": mb.inputs.size(1),
+        "max_seqlen": mb.max_seqlen,
         "position_ids": mb.position_ids,
     }
     with torch.autocast(mb.inputs.device.type, dtype=torch.bfloat16, enabled=options.use_amp):
