@@ -93,11 +93,13 @@ class MorphExperts(nn.Module):
         x_PD = x_TD.new_zeros(route.grouped_rows, D, dtype=dtype)
         x_PD = x_PD.index_copy(0, route.slot_T, x_TD.to(dtype))
         ends_C = route.group_ends_C
-        # Expert c's rows c*E:(c+1)*E of w_gate/w_up, as [C, D, E]; its w_down columns as [C, E, D].
+        # Expert c's weights as [C, in, out] views of per-expert [out, in] blocks (each group's
+        # matrix column-major, as grouped GEMMs take it): rows c*E:(c+1)*E of w_gate/w_up, and
+        # columns c*E:(c+1)*E of w_down, made contiguous per expert first.
         gate_PE = torch._grouped_mm(x_PD, self.w_gate.to(dtype).view(C, E, D).mT, offs=ends_C)
         up_PE = torch._grouped_mm(x_PD, self.w_up.to(dtype).view(C, E, D).mT, offs=ends_C)
-        w_down_CED = self.w_down.to(dtype).view(D, C, E).permute(1, 2, 0)
-        out_PD = torch._grouped_mm(F.silu(gate_PE) * up_PE, w_down_CED, offs=ends_C)
+        w_down_CDE = self.w_down.view(D, C, E).transpose(0, 1).to(dtype).contiguous()
+        out_PD = torch._grouped_mm(F.silu(gate_PE) * up_PE, w_down_CDE.mT, offs=ends_C)
         return out_PD.index_select(0, route.slot_T)
 
 
