@@ -247,22 +247,34 @@ def median_tokens_per_s(plan: Plan, step, micro) -> float:
 
 
 def profile_table(plan: Plan, step, micro) -> None:
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = plan.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
+        started = time.perf_counter()
         for mb in micro:
             step(mb)
         _sync(plan.device)
+        wall_ms = (time.perf_counter() - started) * 1e3 / len(micro)
     what = (
         "CUDA kernels" if on_cuda else "CPU ops (no CUDA device: the CUDA kernel table needs one)"
     )
     print(f"### c. torch.profiler: top-15 {what} of {len(micro)} model steps\n")
     sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
     print("```")
-    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+    averages = prof.key_averages()
+    print(averages.table(sort_by=sort, row_limit=15, max_name_column_width=60))
     print("```\n")
+    if on_cuda:  # is the step's time in kernels, or between them?
+        kernels = [e for e in averages if e.device_type == DeviceType.CUDA]
+        kernel_us = sorted((e.self_device_time_total for e in kernels), reverse=True)
+        print(
+            f"Per step: {sum(kernel_us) / 1e3 / len(micro):.1f} ms in CUDA kernels (all "
+            f"{len(kernel_us)} kinds; the top 15: {sum(kernel_us[:15]) / 1e3 / len(micro):.1f} "
+            f"ms), {wall_ms:.1f} ms wall under the profiler.\n"
+        )
 
 
 def llama_section(plan: Plan, config: Path, trainer_tps: float) -> None:
