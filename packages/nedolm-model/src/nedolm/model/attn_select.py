@@ -146,18 +146,20 @@ def _why_not_trainable(name: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 def _run_probe(name: str, device: torch.device, dtype: torch.dtype, backward: bool) -> str | None:
-    if name == "torch_varlen" and varlen_gqa_mode() == "unproven":
-        _decide_varlen_gqa(device, dtype)
+    unproven_gqa = name == "torch_varlen" and varlen_gqa_mode() == "unproven"
+    if unproven_gqa and _decide_varlen_gqa(device, dtype) is None:
+        return None  # that was this probe, forward and backward, and it passed
     return _compare_with_reference(name, device, dtype, backward)
 
 
-def _decide_varlen_gqa(device: torch.device, dtype: torch.dtype) -> None:
+def _decide_varlen_gqa(device: torch.device, dtype: torch.dtype) -> str | None:
     """Pass torch 2.10/2.11's `varlen_attn` unexpanded KV heads only if that passes the probe.
 
     Their flash kernel groups query heads over fewer KV heads by itself, which saves a copy of
     K and V per query head in every layer's forward and its sum in the backward; their API
     promises nothing about it (2.12 added `enable_gqa`), so output and gradients are checked
     against the reference that way once per process, and a kernel that fails gets copies.
+    Returns why the unexpanded probe failed (None: it passed).
     """
     set_varlen_native_gqa(True)
     why = _compare_with_reference("torch_varlen", device, dtype, backward=True)
@@ -166,6 +168,7 @@ def _decide_varlen_gqa(device: torch.device, dtype: torch.dtype) -> None:
         log.info("torch_varlen: varlen_attn takes grouped KV heads unexpanded (probe passed)")
     else:
         log.info("torch_varlen: KV heads copied per query head; unexpanded probe failed: %s", why)
+    return why
 
 
 def _compare_with_reference(
