@@ -50,6 +50,36 @@ def liger() -> Callable | None:
     return head
 
 
+def loss_and_grads(head: Callable, inputs: tuple, args: argparse.Namespace) -> list[torch.Tensor]:
+    """[loss, d hidden, d weight] of one forward + backward, as training's autocast runs it."""
+    hidden, weight, targets = inputs
+    with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
+        loss = head(hidden, weight, targets, args.vocab)
+    loss.backward()
+    results = [loss.detach().float(), hidden.grad.float(), weight.grad.float()]
+    hidden.grad = weight.grad = None
+    return results
+
+
+def float32_reference(inputs: tuple, args: argparse.Namespace) -> list[torch.Tensor]:
+    """The same head in float32 from the same (bf16-rounded) inputs: what every head is
+    compared with, so that a head's error reads next to the naive bf16 head's."""
+    hidden, weight, targets = inputs
+    hidden32 = hidden.detach().float().requires_grad_()
+    weight32 = weight.detach().to(hidden.dtype).float().requires_grad_()
+    loss = F.cross_entropy(hidden32 @ weight32[: args.vocab].T, targets, reduction="sum")
+    loss.backward()
+    return [loss.detach(), hidden32.grad, weight32.grad]
+
+
+def relative_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[float, float]:
+    """(loss, worst gradient) relative error, as L2 norms."""
+    errors = [
+        float((g - w).norm() / w.norm().clamp_min(1e-30)) for g, w in zip(got, want, strict=True)
+    ]
+    return errors[0], max(errors[1:])
+
+
 def measure(head: Callable, inputs: tuple, args: argparse.Namespace) -> tuple[float, float]:
     """(median ms of forward + backward, peak GiB above the inputs: 0 off CUDA)."""
     hidden, weight, targets = inputs
@@ -95,23 +125,28 @@ def main() -> None:
     heads: dict[str, Callable | None] = {"nedolm fused": ours, "naive": naive, "liger": liger()}
     print(f"## Loss head: {n_targets} target rows of {args.rows}, vocab {args.vocab}, ", end="")
     print(f"d {args.dim}, {dtype} hidden, float32 weight, {args.device}\n")
-    print("| head | fwd+bwd ms | peak GiB above inputs | ms / nedolm fused |")
-    print("|---|---|---|---|")
+    reference = float32_reference(inputs, args)
+    print("Errors: relative to the same head in float32 from the same bf16-rounded inputs.\n")
+    print("| head | fwd+bwd ms | peak GiB above inputs | ms / nedolm fused | loss error |", end="")
+    print(" worst gradient error |")
+    print("|---|---|---|---|---|---|")
     results = {}
     for name, head in heads.items():
         if head is None or (name == "liger" and args.device != "cuda"):
             why = "not installed" if head is None else "needs CUDA"
-            print(f"| {name} | skipped: {why} | | |")
+            print(f"| {name} | skipped: {why} | | | | |")
             continue
         try:
+            loss_error, grad_error = relative_errors(loss_and_grads(head, inputs, args), reference)
             results[name] = measure(head, inputs, args)
         except Exception as exc:  # a reference that fails here must not hide the others
-            print(f"| {name} | error: {type(exc).__name__}: {str(exc)[:160]} | | |")
+            print(f"| {name} | error: {type(exc).__name__}: {str(exc)[:160]} | | | | |")
             continue
         ms, peak = results[name]
         peak_text = f"{peak:.2f}" if args.device == "cuda" else "n/a (CPU)"
         ratio = ms / results["nedolm fused"][0]
-        print(f"| {name} | {ms:.1f} | {peak_text} | {ratio:.2f} |", flush=True)
+        print(f"| {name} | {ms:.1f} | {peak_text} | {ratio:.2f} | {loss_error:.1e} |", end="")
+        print(f" {grad_error:.1e} |", flush=True)
     print()
 
 

@@ -79,9 +79,7 @@ def test_bf16_autocast_head_matches_naive_at_bf16_precision(make_model, reductio
         assert relative_error(fused_grads[name], grad) <= grad_tol, name
 
 
-@pytest.mark.parametrize("slice_rows", [8192, 24])  # one slice; 3 slices, the last one short
-def test_chunks_padding_rows_and_no_grad_path(monkeypatch, slice_rows: int) -> None:
-    monkeypatch.setattr(loss_module, "GRAD_WEIGHT_SLICE_ROWS", slice_rows)
+def test_chunks_padding_rows_and_no_grad_path() -> None:
     torch.manual_seed(0)
     vocab, padded = 50, 64
     hidden = torch.randn(23, 16, requires_grad=True)
@@ -111,6 +109,37 @@ def test_chunks_padding_rows_and_no_grad_path(monkeypatch, slice_rows: int) -> N
             hidden, weight, targets, vocab_size=vocab, reduction="sum", fp32_logits=True
         )
     torch.testing.assert_close(again, want.detach())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "slice_rows"),
+    [(torch.float32, 8192), (torch.bfloat16, 8192), (torch.bfloat16, 24)],  # 24: 3 slices
+)
+def test_weight_gradient_is_added_into_the_float32_accumulator(monkeypatch, dtype, slice_rows):
+    """Each chunk adds grad.T @ h into the float32 accumulator: one in-place GEMM in float32,
+    or, for bf16 where no GEMM writes float32 (this CPU), bf16 products a slice at a time."""
+    monkeypatch.setattr(loss_module, "GRAD_WEIGHT_SLICE_ROWS", slice_rows)
+    gen = torch.Generator().manual_seed(0)
+    accumulator = torch.randn(64, 16, generator=gen)
+    grad_CW = torch.randn(7, 64, generator=gen).to(dtype)
+    h_CD = torch.randn(7, 16, generator=gen).to(dtype)
+    want = accumulator.double() + grad_CW.double().T @ h_CD.double()
+    loss_module.add_weight_grad(accumulator, grad_CW, h_CD)
+    assert accumulator.dtype == torch.float32
+    tolerance = 1e-6 if dtype == torch.float32 else 2**-8  # the bf16 product's rounding
+    assert relative_error(accumulator.double(), want) <= tolerance
+
+
+def test_the_float32_output_gemm_that_cuda_runs_is_a_valid_in_place_call() -> None:
+    """CUDA adds bf16 products into the float32 accumulator with `addmm(out_dtype=float32)`,
+    which this CPU lacks (the probe says so, and the slices run instead); torch's shape and
+    dtype rules for that call are checked here on meta tensors."""
+    assert loss_module.has_float32_output_gemm("cpu") is False
+    accumulator = torch.empty(64, 16, dtype=torch.float32, device="meta")
+    grad_CW = torch.empty(7, 64, dtype=torch.bfloat16, device="meta")
+    h_CD = torch.empty(7, 16, dtype=torch.bfloat16, device="meta")
+    out = torch.addmm(accumulator, grad_CW.T, h_CD, out_dtype=torch.float32, out=accumulator)
+    assert out is accumulator and out.shape == (64, 16) and out.dtype == torch.float32
 
 
 def head_gradients(head, hidden, weight, targets) -> tuple[torch.Tensor, ...]:

@@ -7,12 +7,13 @@ gradients in the forward pass (the softmax is needed for both): no chunk's logit
 iteration and backward is a scalar multiply. This costs the same three matmuls as the plain
 head, unlike recomputation by checkpointing.
 
-Memory beyond the inputs: one chunk of float32 logits (turned into its gradient in place, and
-freed before the next chunk starts), the gradient of the gathered hidden states and one float32
-accumulator of the weight's gradient,
-filled a vocabulary slice at a time (a whole [W, D] half-precision product per chunk would cost
-another half of the weight) and scaled in place by backward, which therefore runs once per
-forward (a second backward through the same graph is refused by autograd's version check).
+Memory beyond the inputs: one chunk's logits and its float32 softmax (which becomes the
+gradient, in the logits' buffer; both freed before the next chunk starts), the gradient of the
+gathered hidden states and one float32 accumulator of the weight's gradient, which each chunk's
+GEMM adds into in place (`add_weight_grad`) and backward scales in place; backward therefore
+runs once per forward (a second backward through the same graph is refused by autograd's version
+check). On a GPU the head is bound by memory traffic, not by its matmuls, so every pass over a
+[C, V] tensor and over the [W, D] accumulator counts: fewer, larger chunks mean fewer.
 
 The head is the custom op ``nedolm::fused_linear_cross_entropy``: torch.compile sees one opaque
 call whose target count may be symbolic, so a compiled training forward has no graph break and
@@ -23,14 +24,15 @@ lets callers pad the target rows to a size of their choosing.
 # Shape legend: N target rows, D model dim, V logical vocab, W padded vocab, C chunk rows.
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
-LOSS_CHUNK_ELEMENTS = 1 << 23  # logits elements per chunk: 32 MiB in fp32
-GRAD_WEIGHT_SLICE_ROWS = 8192  # vocabulary rows of the weight's gradient added at once
+LOSS_CHUNK_ELEMENTS = 3 << 22  # logits elements per chunk: 48 MiB of float32 softmax
+GRAD_WEIGHT_SLICE_ROWS = 8192  # vocabulary rows per product where no GEMM outputs float32
 
 
 def fused_linear_cross_entropy(
@@ -166,40 +168,79 @@ def _add_chunk(
     loss_C, grad_CW = _chunk_loss_and_logits_grad(head, h_CD, y_C, valid_C, with_grads=True)
     assert grad_CW is not None
     torch.mm(grad_CW, head.weight, out=grad_hidden_CD)
-    for w in range(0, grad_weight.size(0), GRAD_WEIGHT_SLICE_ROWS):
-        vocab_rows = slice(w, w + GRAD_WEIGHT_SLICE_ROWS)
-        grad_weight[vocab_rows] += grad_CW[:, vocab_rows].T @ h_CD
+    add_weight_grad(grad_weight, grad_CW, h_CD)
     return loss_C
+
+
+def add_weight_grad(grad_weight_WD: Tensor, grad_CW: Tensor, h_CD: Tensor) -> None:
+    """`grad_weight += grad.T @ h` into the float32 accumulator, as one GEMM where possible.
+
+    The accumulator is read and written once per chunk either way; a separate half-precision
+    product would add a [W, D] write and read (and its memory). Half-precision inputs need a
+    GEMM with a float32 output (cuBLAS, torch >= 2.8); elsewhere the product is formed
+    `GRAD_WEIGHT_SLICE_ROWS` vocabulary rows at a time, which bounds its memory.
+    """
+    if grad_CW.dtype == grad_weight_WD.dtype:
+        grad_weight_WD.addmm_(grad_CW.T, h_CD)
+    elif has_float32_output_gemm(grad_CW.device.type):
+        torch.addmm(grad_weight_WD, grad_CW.T, h_CD, out_dtype=torch.float32, out=grad_weight_WD)
+    else:
+        for w in range(0, grad_weight_WD.size(0), GRAD_WEIGHT_SLICE_ROWS):
+            vocab_rows = slice(w, w + GRAD_WEIGHT_SLICE_ROWS)
+            grad_weight_WD[vocab_rows].add_(grad_CW[:, vocab_rows].T @ h_CD)  # no write-back
+
+
+@functools.cache
+def has_float32_output_gemm(device_type: str) -> bool:
+    """Whether `torch.addmm(..., out_dtype=torch.float32)` takes bf16 inputs on this kind of
+    device and adds them into a float32 tensor in place (CUDA since torch 2.8; not the CPU)."""
+    ones = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+    accumulator = torch.ones(2, 2, dtype=torch.float32, device=device_type)
+    try:
+        torch.addmm(accumulator, ones, ones, out_dtype=torch.float32, out=accumulator)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool((accumulator == 3.0).all())
 
 
 def _chunk_loss_and_logits_grad(
     head: _Head, h_CD: Tensor, y_C: Tensor, valid_C: Tensor, *, with_grads: bool
 ) -> tuple[Tensor, Tensor | None]:
     """(summed loss of the chunk's valid rows, d loss / d logits [C, W] in the weight's dtype or
-    None); the float32 logits die with this call, before the gradient matmuls run."""
+    None); the float32 softmax dies with this call, before the gradient matmuls run.
+
+    On a GPU one pass over the chunk's float32 [C, V] softmax takes about half as long as the
+    chunk's matmul, so there are few: the maximum and the target logit are read from the
+    half-precision logits, the softmax is formed by one subtraction into a new buffer and
+    exponentiated in place, and the gradient is divided straight into the logits' buffer, with
+    the ignored rows, the one-hot target and a mean's scale folded into each row's
+    (subtrahend, divisor) pair.
+    """
     weight, vocab_size, scale = head.weight, head.vocab_size, head.scale
     logits_CW = h_CD @ weight.T
-    if head.fp32_logits:
-        logits_CW = logits_CW.float()
     logits_CV = logits_CW[:, :vocab_size]
-    target_logit_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
-    # logsumexp in place over the logits: they become exp(logit - max), then the softmax.
-    max_C = logits_CV.amax(dim=-1, keepdim=True)
-    exp_CV = logits_CV.sub_(max_C).exp_()
+    target_logit_C = logits_CV.gather(1, y_C[:, None]).float()
+    max_C = logits_CV.amax(dim=-1, keepdim=True).float()
+    if head.fp32_logits and logits_CV.dtype != torch.float32:
+        exp_CV = torch.sub(
+            logits_CV, max_C, out=logits_CV.new_empty(logits_CV.shape, dtype=torch.float32)
+        )
+    else:  # the softmax in the logits' own dtype and buffer
+        exp_CV = logits_CV.sub_(max_C)
+    exp_CV.exp_()
     sum_C = exp_CV.sum(dim=-1, keepdim=True, dtype=torch.float32)
-    lse_C = (max_C.float() + sum_C.log()).squeeze(1)
-    loss_C = torch.where(valid_C, lse_C - target_logit_C.float(), 0.0).sum()
+    lse_C = max_C + sum_C.log()
+    loss_C = torch.where(valid_C[:, None], lse_C - target_logit_C, 0.0).sum()
     if not with_grads:
         return loss_C, None
-    # d(lse - logit_y) / d logits = softmax - onehot(y), zero on ignored rows and padding.
-    grad_CW = logits_CW
-    grad_CV = exp_CV.div_(sum_C)
-    grad_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
-    grad_CW[:, vocab_size:] = 0.0
-    grad_CW.mul_(valid_C[:, None])
+    # d(lse - logit_y) / d logits = (exp - sum * onehot(y)) / sum on valid rows, 0 elsewhere.
+    exp_CV.scatter_add_(1, y_C[:, None], torch.where(valid_C[:, None], -sum_C, 0.0).to(exp_CV))
+    divisor_C = torch.where(valid_C[:, None], sum_C, torch.inf)
     if scale is not None:  # mean: scale before rounding to compute dtype, as autograd would
-        grad_CW.mul_(scale)
-    return loss_C, grad_CW.to(weight.dtype)
+        divisor_C = divisor_C / scale
+    torch.div(exp_CV, divisor_C, out=logits_CV)
+    logits_CW[:, vocab_size:] = 0.0
+    return loss_C, logits_CW
 
 
 @_fused_head.register_fake
