@@ -28,6 +28,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -130,7 +131,8 @@ def throughput(
     args: argparse.Namespace,
     peak_tflops: float,
     label: str,
-) -> str:
+) -> tuple[str, float]:
+    """(the table row, the median step in seconds)."""
     model = build(cfg, backend, args.device)
     if compiled:
         for block in model.blocks:
@@ -164,10 +166,11 @@ def throughput(
     mfu = f"{flops / secs / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a"
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
     mode = "compiled" if compiled else "eager"
-    return (
+    row = (
         f"| {label} | {mode} | {secs * 1e3:.0f} | {tokens / secs:,.0f} | {mfu} | "
         f"{compile_s:.0f} | {peak_mem:.1f} |"
     )
+    return row, secs
 
 
 @contextlib.contextmanager
@@ -195,6 +198,12 @@ def main() -> None:
     parser.add_argument("--dispatch", default="masked", choices=["masked", "sparse", "grouped"])
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak")
     parser.add_argument("--budget-s", type=float, default=420, help="skip configs after this")
+    parser.add_argument(
+        "--faster-dispatch-to",
+        type=Path,
+        help="write the morph dispatch whose compiled step was faster here (bench/gpu.sh hands "
+        "it to the trainer's run)",
+    )
     args = parser.parse_args()
     began = time.perf_counter()
     cfg = preset(args.preset, morph_dispatch=args.dispatch, max_seq_len=args.seq_len)
@@ -222,6 +231,7 @@ def main() -> None:
     print(f"AdamW, median of {args.steps} steps\n")
     print("| backend | mode | step ms | tokens/s | MFU | compile s | peak GiB |")
     print("|---|---|---|---|---|---|---|")
+    step_s: dict[tuple[str, bool], float] = {}
     for label, backend, compiled, row_cfg, context in step_rows(cfg, trainable, args.dispatch):
         mode = "compiled" if compiled else "eager"
         if time.perf_counter() - began > args.budget_s:
@@ -232,12 +242,34 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         try:
             with context():
-                print(throughput(row_cfg, backend, compiled, args, peak, label), flush=True)
+                row, step_s[label, compiled] = throughput(
+                    row_cfg, backend, compiled, args, peak, label
+                )
+            print(row, flush=True)
         except torch.OutOfMemoryError:
             print(f"| {label} | {mode} | OOM: lower --batch |")
         except Exception as error:  # the next configuration still runs
             print(f"| {label} | {mode} | error: {_first_line(error)} |", flush=True)
         torch._dynamo.reset()
+    if args.faster_dispatch_to and trainable:
+        choice = faster_dispatch(step_s, trainable[0], args.dispatch)
+        args.faster_dispatch_to.write_text(choice + "\n")
+
+
+def faster_dispatch(step_s: dict[tuple[str, bool], float], backend: str, dispatch: str) -> str:
+    """`grouped` if its compiled step beat `dispatch`'s on `backend` (auto's choice), else
+    `dispatch`; said in a line under the table."""
+    default, grouped = (
+        step_s.get((backend, True)),
+        step_s.get((f"{backend}, grouped dispatch", True)),
+    )
+    if default is None or grouped is None:
+        print(f"\nmorph dispatch for the trainer's run: {dispatch} (no grouped row to compare)")
+        return dispatch
+    choice = "grouped" if grouped < default else dispatch
+    print(f"\nmorph dispatch for the trainer's run: {choice} (compiled step: grouped ", end="")
+    print(f"{grouped * 1e3:.0f} ms, {dispatch} {default * 1e3:.0f} ms)")
+    return choice
 
 
 class StepRow(NamedTuple):

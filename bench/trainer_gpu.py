@@ -370,7 +370,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nedolm-bench-") as tmp:
         root = Path(tmp)
         corpus, base = prepare(plan, root)
-        print(f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files\n")
+        dispatch_text = args.dispatch or "the preset's"
+        print(
+            f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files, ",
+            end="",
+        )
+        print(f"{dispatch_text} morph dispatch\n")
         dispatch = {"morph_dispatch": args.dispatch} if args.dispatch else {}
         config = write_config(root / "run.yaml", plan, corpus, base, **dispatch)
         trainer_tps = trainer_section(plan, config, args.keep) if not args.launch_only else 0.0

@@ -48,4 +48,8 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     assert head, text
     assert all(float(e) < 1e-5 for e in head.groups()), head.groups()  # float32 on CPU
     assert re.search(r"^\| ddp \| ok, 1 steps \|", text, re.M), text
+    # (b) compares the compiled step under each morph dispatch and (c) runs with the faster.
+    chosen = re.search(r"^morph dispatch for the trainer's run: (\w+) \(compiled step", text, re.M)
+    assert chosen, text
+    assert re.search(rf"^# The product: .*, {chosen[1]} morph dispatch$", text, re.M), text
     assert re.search(r"^\| fsdp \| ok, 1 steps \|", text, re.M), text
