@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nedolm.data.format import read_special_tokens
 from nedolm.data.loader import build_sft_loader
@@ -145,6 +147,32 @@ def test_clip_norm_is_exact_and_the_same_for_a_whole_or_row_sharded_gradient() -
     assert float(clip_grad_norm(halves, 0.01)) == pytest.approx(exact, rel=1e-12)
     assert torch.equal(whole[0].grad, torch.cat([p.grad for p in halves]))
     assert float(whole[0].grad.double().norm()) == pytest.approx(0.01, rel=1e-6)
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("headroom", [-0.5, 0.0, 1.0])  # 0: torch's factor is exactly 1.0
+def test_clip_equals_torch_and_skips_the_pass_torch_would_multiply_by_one(headroom) -> None:
+    grads = [torch.randn(5, 3, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    norm = float(clip_grad_norm(_with_grads(grads), math.inf))
+    max_norm = norm + 1e-6 + headroom
+    ours, reference = _with_grads(grads), _with_grads(grads)
+    with (ops := _OpNames()):
+        total = clip_grad_norm(ours, max_norm)
+    assert float(total) == norm
+    torch.nn.utils.clip_grads_with_norm_(reference, max_norm, total, foreach=True)
+    for got, want in zip(ours, reference, strict=True):
+        assert torch.equal(got.grad, want.grad)
+    assert ("_foreach_mul_" in ops.names) == (headroom < 0)
+    assert ops.names.count("_local_scalar_dense") == 1  # the norm's one read
 
 
 def _without_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

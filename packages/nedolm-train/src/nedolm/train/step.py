@@ -18,6 +18,7 @@ it too, with a batch of the same shape, so it compiles the graph that training r
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -215,16 +216,27 @@ def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
     tensors) and FSDP (row shards) clipped by factors 1.5e-6 apart, which AdamW grew to 1e-5 in
     the weights within 10 steps. In float64 both modes clip by the same factor.
 
+    The norm is read on the host (the step's one read after backward, needed to refuse a
+    non-finite norm), so when it is within ``max_norm`` the gradients are left alone: torch's
+    factor would be exactly 1.0, and multiplying every gradient by it is a pass over all of
+    them (~1.5 ms of an H200 for 0.8B float32 gradients) that changes no bit.
+
     Raises:
         RuntimeError: the norm is not finite (no gradient is scaled).
     """
     grads = [p.grad for p in params if p.grad is not None]
     norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
     total = local_tensor(torch.linalg.vector_norm(torch.stack(norms)))
-    if not torch.isfinite(total):
-        raise RuntimeError(f"the gradient norm is {float(total)}")
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    norm = float(total)
+    if not math.isfinite(norm):
+        raise RuntimeError(f"the gradient norm is {norm}")
+    if max_norm / (norm + _CLIP_EPS) < 1.0:  # torch's factor, in the same float64 arithmetic
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
+
+
+_CLIP_EPS = 1e-6
+"""What ``torch.nn.utils.clip_grads_with_norm_`` adds to the norm before dividing."""
 
 
 def train_step(
