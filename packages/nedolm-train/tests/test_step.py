@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -191,6 +192,17 @@ def test_fetch_counts_targets_and_the_loader_owns_the_cursor(corpus, harness) ->
     assert [mb.targets for mb in micro] == [int(b["trainable_mask"].sum()) for b in seen]
     assert targets == sum(int(b["trainable_mask"][:, 1:].sum()) for b in seen)
     assert loader.state_dict() == {"0": seen[1]["state"][-1].tolist()}
+
+
+def test_a_single_process_fetches_a_step_without_reading_the_device(batches, corpus) -> None:
+    """Nothing to agree on with one rank: the step's status stays on the host, so its forward
+    pass is queued behind the previous step's kernels without waiting for them. The meta device
+    holds no data: any read back from it would raise."""
+    eos = read_special_tokens(corpus).eos_id
+    settings = dataclasses.replace(_settings(eos), info=DistInfo(0, 1, 0, torch.device("meta")))
+    micro, targets, stop = fetch_step_batches(iter(batches), settings, step=0, local_stop=True)
+    assert {mb.inputs.device.type for mb in micro} == {"meta"} and stop
+    assert targets == sum(int(b["trainable_mask"][:, 1:].sum()) for b in batches[:2])
 
 
 def test_zero_target_step_fails_closed(batches, corpus) -> None:

@@ -6,10 +6,12 @@ rank: each micro-batch's *summed* loss is scaled by ``world_size / global_target
 averages over ranks), so short-target micro-batches are not over-weighted as a per-micro-batch
 mean would do. Fetch failures, the target count and stop requests travel in one SUM
 all-reduce, so the hot path has a single tiny collective and a rank whose loader failed cannot
-strand its peers. That collective's host read is the one per-step sync: every rank must know
-before its forward pass whether any rank failed (else a healthy rank would wait forever in DDP's
+strand its peers. That collective's host read is a sync every rank must make before its
+forward pass, to know whether any rank failed (else a healthy rank would wait forever in DDP's
 gradient all-reduce); the target count and the stop flag ride in the same read for free, so a
-stop requested on any rank is agreed on by every rank at the next optimizer step.
+stop requested on any rank is agreed on by every rank at the next optimizer step. A single
+process has nothing to agree on and reads nothing there. The other read of a step is the
+gradient norm (``clip_grad_norm``): on one GPU the device's queue drains once per step.
 
 ``forward_backward`` is the one way the model is called for training: the compile warm-up calls
 it too, with a batch of the same shape, so it compiles the graph that training runs.
@@ -185,13 +187,11 @@ def fetch_step_batches(
             raise RuntimeError(f"optimizer step {step} has zero assistant targets on this rank")
     except Exception as exc:  # reported to every rank below, never raised alone
         local_error = f"{type(exc).__name__}: {exc}"
-    local_targets = sum(mb.targets for mb in micro_batches)
-    status = torch.tensor(
-        [local_targets, int(bool(local_error)), int(local_stop)],
-        dtype=torch.int64,
-        device=info.device,
-    )
-    global_targets, failed, stops = sum_all(status).tolist()
+    status = [sum(mb.targets for mb in micro_batches), int(bool(local_error)), int(local_stop)]
+    if info.world_size > 1:
+        on_device = torch.tensor(status, dtype=torch.int64, device=info.device)
+        status = sum_all(on_device).tolist()
+    global_targets, failed, stops = status
     if failed:
         errors = collect_rank_errors(info, local_error)
         raise StepError(f"batch fetch failed at optimizer step {step}: " + " | ".join(errors))
