@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from nedolm.model import fused_linear_cross_entropy
+from nedolm.model.loss import has_float32_output_gemm
 
 TARGET_FRACTION = 0.4
 
@@ -126,7 +127,11 @@ def main() -> None:
     print(f"## Loss head: {n_targets} target rows of {args.rows}, vocab {args.vocab}, ", end="")
     print(f"d {args.dim}, {dtype} hidden, float32 weight, {args.device}\n")
     reference = float32_reference(inputs, args)
-    print("Errors: relative to the same head in float32 from the same bf16-rounded inputs.\n")
+    print("Errors: relative to the same head in float32 from the same bf16-rounded inputs.")
+    if has_float32_output_gemm(args.device):
+        print("nedolm's bf16 weight gradient: one GEMM per chunk adding into float32 in place.\n")
+    else:
+        print("nedolm's bf16 weight gradient: bf16 product slices (no float32-output GEMM).\n")
     print("| head | fwd+bwd ms | peak GiB above inputs | ms / nedolm fused | loss error |", end="")
     print(" worst gradient error |")
     print("|---|---|---|---|---|---|")
