@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,6 +276,36 @@ def profile_table(plan: Plan, step, micro) -> None:
             f"{len(kernel_us)} kinds; the top 15: {sum(kernel_us[:15]) / 1e3 / len(micro):.1f} "
             f"ms), {wall_ms:.1f} ms wall under the profiler.\n"
         )
+    print(host_side(averages, len(micro)) + "\n")
+
+
+HOST_WAITS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "aten::_local_scalar_dense",
+)
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def host_side(averages, steps: int) -> str:
+    """What the host did per step besides queueing: its waits on the device (the timing's own
+    synchronize after the last step included) and its kernel launches, from the CUDA runtime
+    calls the profiler recorded (none on a CPU)."""
+    by_name = {e.key: e for e in averages}
+    waits = [
+        f"{name} x{by_name[name].count / steps:.1f} ({by_name[name].cpu_time_total / 1e3 / steps:.1f} ms)"
+        for name in HOST_WAITS
+        if name in by_name
+    ]
+    launches = [by_name[name] for name in LAUNCHES if name in by_name]
+    launch_count = sum(e.count for e in launches) / steps
+    launch_ms = sum(e.cpu_time_total for e in launches) / 1e3 / steps
+    return (
+        f"Host per step: waits on the device: {', '.join(waits) or 'none recorded'}; "
+        f"{launch_count:.0f} kernel launches taking {launch_ms:.1f} ms of CPU."
+    )
 
 
 def llama_section(plan: Plan, config: Path, trainer_tps: float) -> None:
@@ -384,11 +415,16 @@ def main() -> None:
             lambda: llama_section(plan, config, trainer_tps),
             lambda: launch_section(plan, corpus, base, root),
         )
+        failed = False
         for section in sections[2:] if args.launch_only else sections:
             if time.monotonic() - began > args.budget_s:
                 print(f"(skipped: the {args.budget_s:.0f} s budget is spent)\n")
                 continue
-            section()
+            try:
+                section()
+            except Exception:  # one section's failure must not cost the GPU run the others
+                print("```\n" + traceback.format_exc()[-3000:] + "```\n")
+                failed = True
             sys.stdout.flush()
             torch._dynamo.reset()  # its caches hold the compiled model and its weights
             gc.collect()  # and cycles may hold the rest: the launches below need the memory
@@ -396,6 +432,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 print(f"(bench process: {torch.cuda.memory_reserved() / 2**30:.1f} GiB of GPU "
                       "memory still reserved)\n")  # fmt: skip
+    if failed:
+        sys.exit("a section failed: its traceback is above")
 
 
 if __name__ == "__main__":
