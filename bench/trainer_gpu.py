@@ -170,6 +170,26 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
     return tokens_per_s
 
 
+def guarded_trainer_section(
+    plan: Plan, config: Path, args: argparse.Namespace, corpus: Path, base: Path
+) -> tuple[float, Path, bool]:
+    """(c), and when it fails with a --dispatch other than the preset's, (c) again with the
+    preset's: (tokens/s or 0.0, the config that ran, whether anything failed)."""
+    try:
+        return trainer_section(plan, config, args.keep), config, False
+    except (RuntimeError, subprocess.TimeoutExpired):
+        print("## c. `nedolm-sft run` FAILED\n\n```\n" + traceback.format_exc()[-4000:] + "```\n")
+        if not args.dispatch:
+            return 0.0, config, True
+    print(f"(c) again with the preset's morph dispatch instead of {args.dispatch}:\n")
+    fallback = write_config(config.with_name("run-preset-dispatch.yaml"), plan, corpus, base)
+    try:
+        return trainer_section(plan, fallback, args.keep), fallback, True
+    except (RuntimeError, subprocess.TimeoutExpired):
+        print("```\n" + traceback.format_exc()[-4000:] + "```\n")
+        return 0.0, config, True
+
+
 def run_model_config(config: Path):
     """The model config the run of ``config`` trains."""
     from nedolm.train.base import base_run_config, model_config
@@ -409,13 +429,14 @@ def main() -> None:
         print(f"{dispatch_text} morph dispatch\n")
         dispatch = {"morph_dispatch": args.dispatch} if args.dispatch else {}
         config = write_config(root / "run.yaml", plan, corpus, base, **dispatch)
-        trainer_tps = trainer_section(plan, config, args.keep) if not args.launch_only else 0.0
+        trainer_tps, failed = 0.0, False
+        if not args.launch_only:
+            trainer_tps, config, failed = guarded_trainer_section(plan, config, args, corpus, base)
         sections = (
             lambda: model_step_section(plan, config, trainer_tps),
             lambda: llama_section(plan, config, trainer_tps),
             lambda: launch_section(plan, corpus, base, root),
         )
-        failed = False
         for section in sections[2:] if args.launch_only else sections:
             if time.monotonic() - began > args.budget_s:
                 print(f"(skipped: the {args.budget_s:.0f} s budget is spent)\n")
