@@ -142,6 +142,22 @@ def test_the_float32_output_gemm_that_cuda_runs_is_a_valid_in_place_call() -> No
     assert out is accumulator and out.shape == (64, 16) and out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("fp32_logits", [True, False])
+def test_the_chunk_loop_cuda_runs_passes_torchs_shape_and_dtype_checks(monkeypatch, fp32_logits):
+    """The whole chunk loop on meta tensors (torch's shape and dtype rules, no data), taking the
+    float32-output GEMM that CUDA takes: every op CUDA will run accepts its arguments."""
+    monkeypatch.setattr(loss_module, "has_float32_output_gemm", lambda device_type: True)
+    hidden = torch.empty(23, 16, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(64, 16, dtype=torch.bfloat16, device="meta")
+    targets = torch.empty(23, dtype=torch.long, device="meta")
+    loss, grad_hidden, grad_weight = loss_module._chunked_loss(
+        hidden, weight, targets, 50, True, fp32_logits, 7, True
+    )
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert grad_hidden.shape == (23, 16) and grad_hidden.dtype == torch.bfloat16
+    assert grad_weight.shape == (64, 16) and grad_weight.dtype == torch.float32
+
+
 def head_gradients(head, hidden, weight, targets) -> tuple[torch.Tensor, ...]:
     hidden = hidden.detach().clone().requires_grad_()
     weight = weight.detach().clone().requires_grad_()
