@@ -163,3 +163,24 @@ def test_grouped_dispatch_compiles_in_bf16_as_one_graph_that_agrees_with_eager()
         experts.zero_grad(set_to_none=True)
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_grouped_dispatch_meets_the_gpu_grouped_gemms_layout_rules() -> None:
+    """CUDA's grouped GEMM wants bf16 operands whose strides are 16-byte aligned in a row- or
+    column-major layout, also for the transposed operands of backward. torch's meta kernel of
+    `_grouped_mm` applies the checks of its CUDA kernel, so the dispatch runs here on meta
+    tensors (shapes only) at nedolm-0.8b's width, forward and backward."""
+    d_model, n_classes, expert_dim, tokens = 1536, 3, 384, 4 * 4096 + 5
+    with torch.device("meta"):
+        experts = MorphExperts(d_model, n_classes, expert_dim, "grouped")
+        x = torch.empty(tokens, d_model, dtype=torch.bfloat16, requires_grad=True)
+        route = MorphRoute(torch.empty(tokens, dtype=torch.long), n_classes, expert_dim, "grouped")
+    out = experts._grouped(x, route, torch.bfloat16)
+    out.sum().backward()
+    assert out.shape == x.shape and x.grad is not None
+    assert experts.w_down.grad is not None and experts.w_down.grad.shape == (1536, 1152)
+    # The checks are live: an operand whose rows are 7 bf16 (14 bytes) apart is refused.
+    misaligned = torch.empty(16, 7, dtype=torch.bfloat16, device="meta")
+    weights = torch.empty(n_classes, 7, 9, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
+        torch._grouped_mm(misaligned, weights, offs=route.group_ends_C)
