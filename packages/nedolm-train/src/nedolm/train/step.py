@@ -207,6 +207,10 @@ def forward_backward(
     return loss.detach().float()
 
 
+_CLIP_EPS = 1e-6
+"""What ``torch.nn.utils.clip_grads_with_norm_`` adds to the norm before dividing."""
+
+
 def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
     """Scale the gradients to a global L2 norm of at most ``max_norm``; returns the norm before
     clipping (float64, a plain tensor also when the gradients are FSDP's sharded DTensors).
@@ -233,10 +237,6 @@ def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
     if max_norm / (norm + _CLIP_EPS) < 1.0:  # torch's factor, in the same float64 arithmetic
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
-
-
-_CLIP_EPS = 1e-6
-"""What ``torch.nn.utils.clip_grads_with_norm_`` adds to the norm before dividing."""
 
 
 def train_step(
