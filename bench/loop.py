@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
@@ -113,15 +114,12 @@ def main() -> None:
             batches: object,
             settings: StepSettings,
             step: int,
-            *,
-            local_stop: bool,
+            **options: Any,
         ) -> StepResult:
             step_starts.append(time.perf_counter())
             fetched = [next(batches) for _ in range(settings.grad_accum_steps)]
             started = time.perf_counter()
-            result = train_step(
-                model, params, optimizer, iter(fetched), settings, step, local_stop=local_stop
-            )
+            result = train_step(model, params, optimizer, iter(fetched), settings, step, **options)
             compute_times.append(time.perf_counter() - started)
             return result
 

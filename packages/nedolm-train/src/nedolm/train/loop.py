@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from nedolm.data.contract import read_validation_sources
-from nedolm.dist import all_rank_call, gather_object, main_rank_call, sum_all, sync_control_flags
+from nedolm.dist import all_rank_call, gather_object, main_rank_call, sync_control_flags
 from nedolm.train.async_save import BackgroundWrite
 from nedolm.train.checkpoint import (
     CheckpointError,
@@ -44,7 +44,7 @@ from nedolm.train.parallel import is_sharded
 from nedolm.train.setup import Run
 from nedolm.train.sharded import ShardedSave, background_save_group, full_model_state
 from nedolm.train.signals import StopRequest
-from nedolm.train.step import StepResult, train_step
+from nedolm.train.step import LossWindow, StepResult, train_step
 from nedolm.train.validation import run_validation
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,11 @@ class Trainer:
         for step in range(progress.step, run.max_steps):
             lr = lr_at_step(step, run.cfg.optim, progress.schedule_steps or run.max_steps)
             set_lr(self.state.optimizer, lr)
+            done = step + 1
+            self.loss_window.read_now = done % run.cfg.train.log_interval == 0 or done in (
+                self.first_step + 1,
+                run.max_steps,
+            )
             result = train_step(
                 run.model,
                 self.params,
@@ -101,15 +106,12 @@ class Trainer:
                 run.settings,
                 step,
                 local_stop=self._local_stop(),
+                loss_window=self.loss_window,
             )
-            done = step + 1
             self._account(done, result)
             if run.audit is not None:
                 run.audit.write_step(done, result.global_targets)
-            if done % run.cfg.train.log_interval == 0 or done in (
-                self.first_step + 1,
-                run.max_steps,
-            ):
+            if self.loss_window.read_now:
                 self.log_step(lr)
             if run.val_loader is not None and (
                 done % run.cfg.validation.interval == 0 or done == run.max_steps
@@ -133,17 +135,17 @@ class Trainer:
         progress.context_tokens_seen += self.tokens_per_step
         progress.assistant_tokens_seen += result.global_targets
         self.grad_norm = result.grad_norm
-        self.window_loss += result.loss_sum
         self.window_targets += result.global_targets
         self.window_steps += 1
 
     def log_step(self, lr: float) -> None:
-        """Reduce the loss of the steps since the last log (the only per-log host sync)."""
+        """The log line of the steps since the last one; their loss was read by the last step
+        (``LossWindow``), so nothing here waits for the device, which is still running that
+        step's AdamW. The window's time is taken at the same point of every step, so it is the
+        steps' time."""
         run = self.run
-        loss_sum = sum_all(self.window_loss.clone()).item()
-        loss = loss_sum / self.window_targets
-        if run.settings.loss.use_amp:
-            torch.cuda.synchronize()
+        assert self.loss_window.value is not None  # read by the step that ends the window
+        loss = self.loss_window.value / self.window_targets
         elapsed = time.monotonic() - self.window_start
         sec_per_step = elapsed / self.window_steps
         done = self.state.progress.step
@@ -153,7 +155,7 @@ class Trainer:
             "loss": loss,
             "ppl": math.exp(min(20.0, loss)),
             "lr": lr,
-            "grad_norm": float(self.grad_norm),
+            "grad_norm": self.grad_norm,
             "tokens_per_s": self.tokens_per_step / sec_per_step,
             "sec_per_step": sec_per_step,
             "assistant_ratio": self.window_targets / (self.tokens_per_step * self.window_steps),
@@ -426,7 +428,7 @@ class Trainer:
             self.window_start += time.monotonic() - started
 
     def _reset_log_window(self) -> None:
-        self.window_loss = torch.zeros((), dtype=torch.float32, device=self.run.info.device)
+        self.loss_window = LossWindow(self.run.info.device)
         self.window_targets = 0
         self.window_steps = 0
         self.window_start = time.monotonic()

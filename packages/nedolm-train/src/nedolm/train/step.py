@@ -11,7 +11,9 @@ forward pass, to know whether any rank failed (else a healthy rank would wait fo
 gradient all-reduce); the target count and the stop flag ride in the same read for free, so a
 stop requested on any rank is agreed on by every rank at the next optimizer step. A single
 process has nothing to agree on and reads nothing there. The other read of a step is the
-gradient norm (``clip_grad_norm``): on one GPU the device's queue drains once per step.
+gradient norm (``clip_grad_norm``): on one GPU the device's queue drains once per step. A step
+that ends a log window reads the window's loss right after the norm, while nothing is queued
+(``LossWindow``), so the log line never waits for AdamW.
 
 ``forward_backward`` is the one way the model is called for training: the compile warm-up calls
 it too, with a batch of the same shape, so it compiles the graph that training runs.
@@ -66,7 +68,7 @@ class StepSettings:
 class StepResult:
     loss_sum: Tensor
     """This rank's summed target loss (on device: read at log intervals only)."""
-    grad_norm: Tensor
+    grad_norm: float
     global_targets: int
     """Assistant targets of the step over every rank."""
     stop: bool
@@ -211,9 +213,9 @@ _CLIP_EPS = 1e-6
 """What ``torch.nn.utils.clip_grads_with_norm_`` adds to the norm before dividing."""
 
 
-def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
+def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
     """Scale the gradients to a global L2 norm of at most ``max_norm``; returns the norm before
-    clipping (float64, a plain tensor also when the gradients are FSDP's sharded DTensors).
+    clipping (summed in float64, also when the gradients are FSDP's sharded DTensors).
 
     The squares are summed in float64. A float32 norm of a large gradient on CPU is off by
     ~1e-5 (the 32k-row embedding), and off differently for each split of the sum: DDP (whole
@@ -236,7 +238,21 @@ def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
         raise RuntimeError(f"the gradient norm is {norm}")
     if max_norm / (norm + _CLIP_EPS) < 1.0:  # torch's factor, in the same float64 arithmetic
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total
+    return norm
+
+
+class LossWindow:
+    """The summed loss of the steps since the last log line, on the device; ``read`` sums it
+    over ranks into ``value`` (every rank reads at the same steps: it is a collective)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros((), dtype=torch.float32, device=device)
+        self.read_now = False
+        """Set by the caller for a step that ends with a log line."""
+        self.value: float | None = None
+
+    def read(self) -> None:
+        self.value = sum_all(self.total.clone()).item()
 
 
 def train_step(
@@ -248,12 +264,17 @@ def train_step(
     step: int,
     *,
     local_stop: bool = False,
+    loss_window: LossWindow | None = None,
 ) -> StepResult:
     """Fetch, accumulate, clip (refusing non-finite norms) and step (0-based ``step``);
     ``local_stop`` is this rank's stop request, agreed on with the other ranks' in the fetch.
 
     ``model`` may be the DDP wrapper (gradients all-reduced on the last micro-batch only) or
     an FSDP module (``params`` are then sharded DTensors; the norm is the global one).
+    ``loss_window`` adds the step's loss to a log window, and reads the window when asked to,
+    right after the gradient norm's read: the device has just finished backward there and
+    nothing is queued, so the read waits for nothing (after ``optimizer.step()`` it would wait
+    for AdamW and leave the device idle while the host logs).
     """
     micro_batches, global_targets, stop = fetch_step_batches(
         batches, settings, step, local_stop=local_stop
@@ -263,10 +284,14 @@ def train_step(
     for i, mb in enumerate(micro_batches):
         with maybe_no_sync(model, last_micro_batch=i == len(micro_batches) - 1):
             local_loss += forward_backward(model, mb, settings.loss, scale)
+    if loss_window is not None:
+        loss_window.total += local_loss
     try:
         grad_norm = clip_grad_norm(params, settings.grad_clip)
     except RuntimeError as exc:  # same all-reduced gradients, so every rank raises
         raise StepError(f"non-finite gradient norm at optimizer step {step}: {exc}") from exc
+    if loss_window is not None and loss_window.read_now:
+        loss_window.read()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(local_loss, grad_norm, global_targets, stop)
