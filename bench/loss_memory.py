@@ -83,13 +83,20 @@ def _nbytes(tree: object) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+def head_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 hidden rows, a float32 weight and targets, as training's autocast hands them over."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(ROWS, DIM, generator=gen).bfloat16()
+    weight = 0.02 * torch.randn(PADDED, DIM, generator=gen)
+    targets = torch.randint(0, VOCAB, (ROWS,), generator=gen)
+    return hidden, weight, targets
+
+
 def count_traffic(device: str) -> Traffic:
     """The op body's traffic on `device`'s path: "cpu" runs it; "gpu" counts it on meta
     tensors (shapes only) with the float32-output GEMM that CUDA's probe finds."""
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(ROWS, DIM, generator=gen).bfloat16()
-    weight = (0.02 * torch.randn(PADDED, DIM, generator=gen)).bfloat16()
-    targets = torch.randint(0, VOCAB, (ROWS,), generator=gen)
+    hidden, weight, targets = head_inputs()
+    weight = weight.bfloat16()  # the op body's copy
     if device == "gpu":
         hidden, weight, targets = (t.to("meta") for t in (hidden, weight, targets))
     chunk_rows = LOSS_CHUNK_ELEMENTS // PADDED
@@ -104,10 +111,7 @@ def count_traffic(device: str) -> Traffic:
 
 
 def main() -> None:
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(ROWS, DIM, generator=gen).bfloat16()
-    weight = 0.02 * torch.randn(PADDED, DIM, generator=gen)
-    targets = torch.randint(0, VOCAB, (ROWS,), generator=gen)
+    hidden, weight, targets = head_inputs()
     chunk_rows = LOSS_CHUNK_ELEMENTS // PADDED
     with (body := LiveBytes(hidden, weight, targets)), torch.no_grad():
         loss._chunked_loss(hidden, weight.bfloat16(), targets, VOCAB, False, True, chunk_rows, True)

@@ -178,7 +178,8 @@ def guarded_trainer_section(
     try:
         return trainer_section(plan, config, args.keep), config, False
     except (RuntimeError, subprocess.TimeoutExpired):
-        print("## c. `nedolm-sft run` FAILED\n\n```\n" + traceback.format_exc()[-4000:] + "```\n")
+        print("## c. `nedolm-sft run` FAILED\n")
+        print_traceback()
         if not args.dispatch:
             return 0.0, config, True
     print(f"(c) again with the preset's morph dispatch instead of {args.dispatch}:\n")
@@ -186,8 +187,13 @@ def guarded_trainer_section(
     try:
         return trainer_section(plan, fallback, args.keep), fallback, True
     except (RuntimeError, subprocess.TimeoutExpired):
-        print("```\n" + traceback.format_exc()[-4000:] + "```\n")
+        print_traceback()
         return 0.0, config, True
+
+
+def print_traceback() -> None:
+    """The exception being handled, its last 4,000 characters as a code block of the tables."""
+    print("```\n" + traceback.format_exc()[-4000:] + "```\n")
 
 
 def run_model_config(config: Path):
@@ -423,10 +429,9 @@ def main() -> None:
         corpus, base = prepare(plan, root)
         dispatch_text = args.dispatch or "the preset's"
         print(
-            f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files, ",
-            end="",
+            f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files, "
+            f"{dispatch_text} morph dispatch\n"
         )
-        print(f"{dispatch_text} morph dispatch\n")
         dispatch = {"morph_dispatch": args.dispatch} if args.dispatch else {}
         config = write_config(root / "run.yaml", plan, corpus, base, **dispatch)
         trainer_tps, failed = 0.0, False
@@ -444,7 +449,7 @@ def main() -> None:
             try:
                 section()
             except Exception:  # one section's failure must not cost the GPU run the others
-                print("```\n" + traceback.format_exc()[-3000:] + "```\n")
+                print_traceback()
                 failed = True
             sys.stdout.flush()
             torch._dynamo.reset()  # its caches hold the compiled model and its weights

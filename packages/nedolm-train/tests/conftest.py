@@ -31,7 +31,7 @@ from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.signals import STOP_SIGNALS
-from nedolm.train.testing import init_tiny_base
+from nedolm.train.testing import init_tiny_base, sft_paths
 
 FIXTURES = Path(__file__).resolve().parents[2] / "nedolm-data" / "tests" / "fixtures"
 SEQ_LEN = 256
@@ -110,12 +110,7 @@ def write_config(
     path: Path, corpus: Path, base_run: Path, run_dir: Path, **sections: dict[str, Any]
 ) -> Path:
     """An SFT YAML: BASE_SETTINGS with per-section overrides."""
-    doc: dict[str, Any] = {
-        "run_dir": str(run_dir),
-        "base_config": str(base_run / "config.yaml"),
-        "base_run_dir": str(base_run),
-        "data_dir": str(corpus),
-    }
+    doc: dict[str, Any] = {**sft_paths(run_dir, base_run, corpus)}
     for section, values in BASE_SETTINGS.items():
         doc[section] = {**values, **sections.get(section, {})}
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")

@@ -67,7 +67,8 @@ class StepSettings:
 @dataclass(frozen=True)
 class StepResult:
     loss_sum: Tensor
-    """This rank's summed target loss (on device: read at log intervals only)."""
+    """This rank's summed target loss, on the device (a ``LossWindow`` given to the step adds it
+    up for the log line)."""
     grad_norm: float
     global_targets: int
     """Assistant targets of the step over every rank."""
