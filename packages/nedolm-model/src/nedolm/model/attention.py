@@ -42,7 +42,7 @@ if HAS_TORCH_VARLEN and torch.cuda.is_available():
 _varlen_parameters: dict[Any, frozenset[str]] = {}  # per varlen_attn: its parameter names
 _varlen_native_gqa: dict[Any, bool] = {}  # per varlen_attn without enable_gqa: probe's verdict
 
-BACKENDS = ("flash", "torch_varlen", "flex", "sdpa")  # auto's order of preference
+BACKENDS = ("flash", "torch_varlen", "flex", "sdpa")  # auto's order on CUDA (attn_select)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 

@@ -3,12 +3,15 @@
 A backend being installed says little: torch's `varlen_attn` changed its keywords between
 releases and FlexAttention has no CPU backward. So before `auto` picks a backend for a
 (device, dtype) it runs the backend's forward and backward once on tiny packed inputs and
-compares both with a float32 dense reference; the first backend in `BACKENDS` order that passes
-is chosen, and the choice and every rejection are logged. Results are cached per process.
+compares both with a float32 dense reference; the first backend in `auto_order(device)` that
+passes is chosen, and the choice and every rejection are logged. Results are cached per process.
 
-The order is measured (bench/RESULTS.md, H200, torch 2.11, nedolm-0.8b at 4x4096): compiled,
-torch_varlen and flex train within 1% of each other (88.5k and 89.3k tokens/s) and sdpa at
-73k; eager, flex takes 2.8 GiB more memory, so torch_varlen stays ahead of flex.
+The order is measured per kind of device (bench/RESULTS.md). On CUDA (H200, torch 2.11,
+nedolm-0.8b at 4x4096) compiled torch_varlen and flex train within 1% of each other (88.5k and
+89.3k tokens/s) and sdpa at 73k; eager, flex takes 2.8 GiB more memory, so torch_varlen stays
+ahead of flex. Elsewhere flex comes last, after sdpa: on a CPU FlexAttention runs as eager dense
+math (inductor fails to compile it on torch 2.10), and on torch 2.10, whose flex has a CPU
+backward, `auto` picked it and the demo's model trained 7x slower than with sdpa.
 """
 
 # Shape legend: T probe tokens, H query heads, G kv heads, K head dim.
@@ -51,7 +54,7 @@ def resolve_attn_impl(
 ) -> str:
     """The backend that runs `attn_impl` on `device` with `dtype` inputs.
 
-    `auto` is the first backend (in `BACKENDS` order) whose forward+backward probe passed. A
+    `auto` is the first backend (in `auto_order(device)`) whose forward+backward probe passed. A
     named backend must be present and pass its forward probe, and with `backward` (the default:
     training) its forward+backward probe. `dtype` defaults to the trainer's compute dtype: bf16
     on CUDA, else float32. Cached: with `backward=False` (what the model's forward asks) a
@@ -65,6 +68,14 @@ def resolve_attn_impl(
     if name is None or (backward and attn_impl != "auto"):
         name = _resolve_uncached(attn_impl, device, dtype, backward)
     return name
+
+
+def auto_order(device: torch.device | str) -> tuple[str, ...]:
+    """The backends `auto` tries on `device`, best first: `BACKENDS` on CUDA, flex last
+    elsewhere (see the module docstring for the measurements)."""
+    if torch.device(device).type == "cuda":
+        return BACKENDS
+    return (*(name for name in BACKENDS if name != "flex"), "flex")
 
 
 def probe_backends(
@@ -126,7 +137,7 @@ def _resolve_uncached(
 
 def _choose(device: torch.device, dtype: torch.dtype) -> str:
     rejected = []
-    for name in BACKENDS:
+    for name in auto_order(device):
         why_not = _why_not_trainable(name, device, dtype)
         if why_not is None:
             detail = "; ".join(rejected) or "nothing preferred was rejected"
