@@ -12,16 +12,22 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from nedolm.dist import RankError
 from nedolm.model import build_model
 from nedolm.train.checkpoint import checkpoint_path, latest_checkpoint
 from nedolm.train.optim import build_optimizer
-from nedolm.train.parallel import mixed_precision_policy, parallelize
+from nedolm.train.parallel import (
+    mixed_precision_policy,
+    no_buffer_sync_per_forward,
+    parallelize,
+)
 from nedolm.train.sharded import (
     MANIFEST,
     PAYLOAD,
@@ -269,3 +275,31 @@ def test_parallelism_and_precision_are_validated() -> None:
     cuda = mixed_precision_policy("auto", torch.device("cuda", 0))
     assert (cpu.param_dtype, cpu.reduce_dtype) == (torch.float32, torch.float32)
     assert (cuda.param_dtype, cuda.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+
+
+class Torch211DistributedDataParallel:
+    """torch 2.10/2.11's DistributedDataParallel keywords (abridged): no forward_sync_buffers."""
+
+    def __init__(self, module, device_ids=None, broadcast_buffers=True, static_graph=False):
+        pass
+
+
+def test_ddp_is_told_in_its_own_torchs_keyword_not_to_sync_buffers_per_forward(
+    tmp_path: Path,
+) -> None:
+    """torch 2.10/2.11 refused ``forward_sync_buffers`` (TypeError: every DDP run died at
+    start-up); 2.13 deprecates ``broadcast_buffers``. A real one-rank gloo DDP on this torch
+    takes the keyword chosen, warns nothing, and syncs no buffer before a forward."""
+    legacy = no_buffer_sync_per_forward(Torch211DistributedDataParallel)
+    assert legacy == {"broadcast_buffers": False}
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ddp = parallelize(build_model(WORKER_MODULE.MODEL), "ddp", device=torch.device("cpu"))
+        assert isinstance(ddp, DistributedDataParallel)
+        assert len(ddp.modules_buffers) > 0 and not ddp.will_sync_module_buffers()
+    finally:
+        torch.distributed.destroy_process_group()

@@ -11,6 +11,7 @@ returned unchanged in both modes: one process has nothing to replicate or shard.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Literal, get_args
 
@@ -83,7 +84,7 @@ def parallelize(
         return DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
-            forward_sync_buffers=False,  # buffers (rope, morph classes) are equal on every rank
+            **no_buffer_sync_per_forward(DistributedDataParallel),
             gradient_as_bucket_view=True,
             static_graph=ddp_static_graph,
             bucket_cap_mb=ddp_bucket_cap_mb,
@@ -94,6 +95,18 @@ def parallelize(
     # gathered between forward and backward because the head reuses it at the very end.
     fully_shard(model, mp_policy=policy, reshard_after_forward=False)
     return model
+
+
+def no_buffer_sync_per_forward(ddp_class: type) -> dict[str, bool]:
+    """DDP's keyword that stops it broadcasting buffers before every forward (they are the rope
+    tables and the morph classes, equal on every rank): ``forward_sync_buffers`` since torch
+    2.13, ``broadcast_buffers`` (deprecated there, the only one before: torch 2.10 and 2.11
+    refuse the new keyword with a TypeError)."""
+    parameters = inspect.signature(ddp_class.__init__).parameters
+    keyword = (
+        "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+    )
+    return {keyword: False}
 
 
 def unwrap(model: nn.Module) -> nn.Module:
