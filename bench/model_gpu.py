@@ -44,6 +44,7 @@ from nedolm.model import (
     varlen_gqa_mode,
 )
 from nedolm.model.attention import set_varlen_native_gqa
+from nedolm.model.attn_select import auto_order
 from nedolm.train.flops import flops_per_token, peak_bf16_flops
 
 TARGET_FRACTION, EOS_ID = 0.4, 2
@@ -220,7 +221,7 @@ def main() -> None:
     print(f"- torch_varlen's grouped KV heads: {varlen_gqa_mode()} (see varlen_gqa_mode)")
     print()
     agreement(cfg, present, min(args.seq_len, 2048), args.device)
-    trainable = [name for name, why in probed.items() if why is None]
+    trainable = [name for name in auto_order(args.device) if probed[name] is None]  # auto's first
 
     with torch.device("meta"):  # count without allocating
         n_params = build_model(cfg).num_params()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed import run as torchrun
 
 from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
@@ -114,14 +115,23 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
     assert list_checkpoints(job.run_dir) == []
 
 
+def shutdown_grace() -> tuple[tuple[str, ...], int]:
+    """(launch options, seconds torch's agent gives signalled ranks before it SIGKILLs them):
+    2 s by `--shutdown-timeout` where torchrun has it, else its fixed 30 s (torch 2.10)."""
+    if "--shutdown-timeout" in torchrun.get_args_parser()._option_string_actions:
+        return ("--shutdown-timeout", "2"), 2
+    return (), 30
+
+
 def test_ranks_sigkilled_after_the_shutdown_timeout_make_the_launcher_exit_128_plus_sigterm(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
     config = write_stop_test_config(tmp_path / "slow.yaml", corpus, base)
-    slow_save = {"NEDOLM_TEST_DELAY": "data_fetch=0.3,checkpoint_write=10"}
-    job = launch(config, env=slow_save, options=("--shutdown-timeout", "2"))
+    options, grace_s = shutdown_grace()
+    slow_save = {"NEDOLM_TEST_DELAY": f"data_fetch=0.3,checkpoint_write={grace_s + 8}"}
+    job = launch(config, env=slow_save, options=options)
     job.wait_for_step(2)
-    os.kill(job.proc.pid, signal.SIGTERM)  # the stop's checkpoint outlasts the 2 s grace
+    os.kill(job.proc.pid, signal.SIGTERM)  # the stop's checkpoint outlasts the grace
     assert job.wait() == 128 + signal.SIGTERM, job.output()[-4000:]
     out = job.output()
     assert "Unable to shutdown process" in out  # torch SIGKILLs after --shutdown-timeout

@@ -45,28 +45,6 @@ def test_thirty_compiled_steps_have_no_graph_break_and_no_recompile(make_config)
     assert "0 graph break(s)" in log and "torch.compile disabled" not in log
 
 
-def test_a_backend_failing_in_the_warm_up_is_named_not_called_a_compile_failure(
-    caplog,
-) -> None:
-    """flex has no CPU backward in torch 2.13 (the run's start-up probe refuses it; here the
-    warm-up meets it unprobed): the warm-up fails compiled and eagerly, so it raises naming the
-    backend instead of falling back to an eager run that would fail the same way."""
-    dims = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
-    model = build_model(ModelConfig(vocab_size=101, attn_impl="flex", **dims))
-    settings = StepSettings(
-        DistInfo(0, 1, 0, torch.device("cpu")),
-        eos_id=2,
-        grad_accum_steps=1,
-        grad_clip=1.0,
-        loss=LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=False),
-    )
-    with pytest.raises(
-        AttentionBackendError, match=r"attention backend \(attn_impl='flex'\).*not a compile"
-    ):
-        compile_and_warm_up(model, settings, micro_batch=1, seq_len=64, backend="aot_eager")
-    assert "torch.compile disabled" not in caplog.text
-
-
 LONGEST_SEEN: list[int] = []
 
 
@@ -101,15 +79,9 @@ def test_a_kernel_backend_gets_each_micro_batchs_longest_segment_and_nothing_rec
     serves every value."""
     from torch._dynamo.utils import counters
 
-    from nedolm.model import attention
     from nedolm.model import attn_select as select
 
-    monkeypatch.setattr(attention, "varlen_attn", varlen_attn_with_torch_2_11_signature)
-    monkeypatch.setattr(attention, "_varlen_native_gqa", {})
-    monkeypatch.setattr(select, "_probed", {})
-    monkeypatch.setattr(select, "_resolved", {})
-    present = {**select.attention_backends("cpu"), "torch_varlen": None}
-    monkeypatch.setattr(select, "attention_backends", lambda device: present)
+    torch_varlen_present_on_cpu(monkeypatch)
     dims = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
     model = build_model(ModelConfig(vocab_size=101, attn_impl="torch_varlen", **dims))
     options = LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=True)
@@ -135,3 +107,42 @@ def test_a_kernel_backend_gets_each_micro_batchs_longest_segment_and_nothing_rec
         torch.testing.assert_close(got, eager)
         assert set(LONGEST_SEEN) == {mb.max_seqlen}, (LONGEST_SEEN, mb.max_seqlen)
     assert len(set(want)) > 1 and counters["frames"]["ok"] == 1
+
+
+def torch_varlen_present_on_cpu(monkeypatch) -> None:
+    """torch_varlen made present on this CPU with a stand-in kernel of torch 2.11's signature
+    (a custom op, as torch's is, whose forward runs sdpa and which has no backward)."""
+    from nedolm.model import attention
+    from nedolm.model import attn_select as select
+
+    monkeypatch.setattr(attention, "varlen_attn", varlen_attn_with_torch_2_11_signature)
+    monkeypatch.setattr(attention, "_varlen_native_gqa", {})
+    monkeypatch.setattr(select, "_probed", {})
+    monkeypatch.setattr(select, "_resolved", {})
+    present = {**select.attention_backends("cpu"), "torch_varlen": None}
+    monkeypatch.setattr(select, "attention_backends", lambda device: present)
+
+
+def test_a_backend_failing_in_the_warm_up_is_named_not_called_a_compile_failure(
+    monkeypatch, caplog
+) -> None:
+    """A backend whose forward runs but whose backward cannot (as flex on a CPU in torch 2.13;
+    the run's start-up probe refuses it, here the warm-up meets it unprobed): the warm-up fails
+    compiled and eagerly, so it raises naming the backend instead of falling back to an eager
+    run that would fail the same way."""
+    torch_varlen_present_on_cpu(monkeypatch)
+    dims = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    model = build_model(ModelConfig(vocab_size=101, attn_impl="torch_varlen", **dims))
+    settings = StepSettings(
+        DistInfo(0, 1, 0, torch.device("cpu")),
+        eos_id=2,
+        grad_accum_steps=1,
+        grad_clip=1.0,
+        loss=LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=False),
+    )
+    with pytest.raises(
+        AttentionBackendError,
+        match=r"attention backend \(attn_impl='torch_varlen'\).*not a compile",
+    ):
+        compile_and_warm_up(model, settings, micro_batch=1, seq_len=64, backend="aot_eager")
+    assert "torch.compile disabled" not in caplog.text
