@@ -3,9 +3,10 @@
 torchrun's elastic agent forwards SIGTERM (and the other signals it handles) to the workers,
 waits up to ``--shutdown-timeout`` seconds for them (a fixed 30 s on torch 2.10, whose torchrun
 lacks the option; then SIGKILLs them) and exits 1 with its own SignalException, even when every
-rank stopped on a consistent checkpoint. This command runs that same agent in this process (torch's own parser, rendezvous and worker management), so the
-process a scheduler signals is the agent; when it raises, the stop record that rank 0 writes
-after a clean stop (``nedolm.train.stop_record``) decides the exit status.
+rank stopped on a consistent checkpoint. This command runs that same agent in this process
+(torch's own parser, rendezvous and worker management), so the process a scheduler signals is
+the agent; when it raises, the stop record that rank 0 writes after a clean stop
+(``nedolm.train.stop_record``) decides the exit status.
 
 Two gaps of torch's handling are closed here (``_LauncherSignals``). Before the agent starts the
 workers it has no handlers, so a signal then (the CLI keeps one that came during the imports)
