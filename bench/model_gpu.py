@@ -136,8 +136,7 @@ def throughput(
     """(the table row, the median step in seconds)."""
     model = build(cfg, backend, args.device)
     if compiled:
-        for block in model.blocks:
-            block.compile()  # not fullgraph: older flash-attn builds break the graph
+        model.compile_blocks()  # as the trainer does; not fullgraph: older flash-attn builds break
     fused = args.device == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
     input_ids, labels, layout, _ = packed_rows(cfg, args.batch, args.seq_len, args.device)

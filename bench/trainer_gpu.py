@@ -241,14 +241,12 @@ def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
         grad_clip=1.0,
         loss=LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=on_cuda),
     )
-    step_model = model
     if plan.compile:
-        compiled = compile_and_warm_up(model, settings, plan.micro_batch, plan.seq_len)
-        step_model = model if compiled is None else compiled  # (a compiled module has no bool)
+        compile_and_warm_up(model, settings, plan.micro_batch, plan.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step(mb) -> None:
-        forward_backward(step_model, mb, settings.loss, 1.0 / mb.targets)
+        forward_backward(model, mb, settings.loss, 1.0 / mb.targets)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

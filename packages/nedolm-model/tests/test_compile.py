@@ -61,40 +61,81 @@ def train_steps(model, batch, steps: int) -> list[float]:
     return losses
 
 
+def compile_model(model, how: str, backend: str):
+    """The whole model in one graph (`torch.compile`), or each block on its own (the trainer's
+    `compile_blocks`)."""
+    if how == "model":
+        return torch.compile(model, backend=backend)
+    model.compile_blocks(backend=backend)
+    return model
+
+
 def assert_compiled_training_matches_eager(
-    make_model, backend: str, tol: float, grad_checkpoint: bool = False
+    make_model, how: str, backend: str, tol: float, grad_checkpoint: bool = False
 ) -> None:
     eager, compiled = make_model(seed=1), make_model(seed=2)
     compiled.load_state_dict(eager.state_dict())
     compiled.grad_checkpoint = grad_checkpoint
     batch = packed_batch(eager.cfg.vocab_size)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     want = train_steps(eager, batch, 3)
-    got = train_steps(torch.compile(compiled, backend=backend), batch, 3)
+    got = train_steps(compile_model(compiled, how, backend), batch, 3)
+    assert torch._dynamo.utils.counters["frames"]["ok"] >= 1  # it did run compiled
     torch.testing.assert_close(got, want, atol=0, rtol=tol)
     for (name, param), ref in zip(compiled.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(param, ref, atol=tol, rtol=tol, msg=name)
 
 
+HOW = pytest.mark.parametrize("how", ["model", "blocks"])
+
+
+@HOW
 @pytest.mark.parametrize("grad_checkpoint", [False, True])
-def test_compiled_forward_backward_matches_eager(make_model, grad_checkpoint: bool) -> None:
-    assert_compiled_training_matches_eager(make_model, "aot_eager", 1e-5, grad_checkpoint)
+def test_compiled_forward_backward_matches_eager(make_model, how, grad_checkpoint: bool) -> None:
+    assert_compiled_training_matches_eager(make_model, how, "aot_eager", 1e-5, grad_checkpoint)
 
 
-def test_compiled_grouped_dispatch_trains_as_eager(make_model) -> None:
+@HOW
+def test_compiled_grouped_dispatch_trains_as_eager(make_model, how) -> None:
     grouped = functools.partial(make_model, morph_dispatch="grouped")
-    assert_compiled_training_matches_eager(grouped, "aot_eager", 1e-5)
+    assert_compiled_training_matches_eager(grouped, how, "aot_eager", 1e-5)
 
 
 @pytest.mark.slow
-def test_inductor_compiled_training_matches_eager(make_model) -> None:
-    assert_compiled_training_matches_eager(make_model, "inductor", 1e-4)
+@HOW
+def test_inductor_compiled_training_matches_eager(make_model, how) -> None:
+    assert_compiled_training_matches_eager(make_model, how, "inductor", 1e-4)
 
 
-def test_new_packings_do_not_recompile(make_model) -> None:
+def test_compiled_blocks_share_one_graph_and_eval_mode_runs_them_eagerly(make_model) -> None:
+    """Four blocks, one traced frame; eval mode (validation, generation) traces nothing."""
+    model = make_model(n_layers=4)
+    input_ids, labels, layout = packed_batch(model.cfg.vocab_size)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model.compile_blocks(backend="aot_eager")
+    assert model.blocks_compiled
+    train_steps(model, (input_ids, labels, layout), 2)
+    assert counters["frames"]["ok"] == 1 and not counters["graph_break"]
+    model.eval()
+    with torch.no_grad():
+        model(input_ids, labels, return_logits=False, **layout)
+    assert counters["frames"]["ok"] == 1
+    assert set(model.state_dict()) == set(make_model(n_layers=4).state_dict())  # no new names
+    model.uncompile_blocks()
+    model.train()
+    train_steps(model, (input_ids, labels, layout), 1)
+    assert not model.blocks_compiled and counters["frames"]["ok"] == 1
+
+
+@HOW
+def test_new_packings_do_not_recompile(make_model, how) -> None:
     model = make_model()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    compiled = compile_model(model, how, "aot_eager")
     frames = []
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
@@ -108,6 +149,9 @@ def test_new_packings_do_not_recompile(make_model) -> None:
         )
         loss.backward()
         frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    # Step 2 recompiles once to make the token count dynamic; new packings and new target
-    # counts (the loss head is one opaque op) then reuse the graphs.
+    # Whole model: step 2 recompiles once to make the token count dynamic; new packings and
+    # new target counts (the loss head is one opaque op) then reuse the graphs. Compiled
+    # blocks get the segment count as a dynamic size from the start: one graph throughout.
     assert frames[0] > 0 and frames[1] == frames[2] == frames[3], frames
+    if how == "blocks":
+        assert frames == [1, 1, 1, 1], frames

@@ -25,11 +25,12 @@ pytestmark = [
 
 
 def test_thirty_compiled_steps_have_no_graph_break_and_no_recompile(make_config):
+    """Validation passes in between (eval mode, rows sliced by source) run the blocks eagerly."""
     from torch._dynamo.utils import counters
 
     config = make_config(
         train={"compile": True, "max_steps": STEPS, "grad_accum_steps": 1, "ckpt_interval": 1000},
-        validation={"at_start": False, "interval": 1000},
+        validation={"at_start": True, "interval": 10},
     )
     torch._dynamo.reset()
     counters.clear()
@@ -40,9 +41,12 @@ def test_thirty_compiled_steps_have_no_graph_break_and_no_recompile(make_config)
     # Every micro-batch has a new longest segment too: traced as a symbol, it recompiles nothing.
     assert frames == 1, f"{frames} frames compiled: {frames - 1} recompiles"
     run_dir = config.with_suffix("")
-    assert max(r["step"] for r in read_metrics(run_dir) if "loss" in r) == STEPS
+    records = read_metrics(run_dir)
+    assert max(r["step"] for r in records if "loss" in r) == STEPS
+    assert len([r for r in records if r.get("kind") == "validation"]) >= 3
     log = (run_dir / "train.log").read_text(encoding="utf-8")
-    assert "0 graph break(s)" in log and "torch.compile disabled" not in log
+    assert "1 frame(s) compiled, 0 graph break(s)" in log
+    assert "torch.compile disabled" not in log and "recompiled" not in log
 
 
 LONGEST_SEEN: list[int] = []
@@ -71,12 +75,14 @@ def varlen_attn_with_torch_2_11_signature(
     return _recording_varlen(query, key, value, cu_seq_q, max_q)
 
 
+@pytest.mark.parametrize("how", ["blocks", "model"])
 def test_a_kernel_backend_gets_each_micro_batchs_longest_segment_and_nothing_recompiles(
-    monkeypatch,
+    monkeypatch, how: str
 ) -> None:
     """torch_varlen's grid is sized by max_seqlen: each micro-batch hands it the longest
     conversation it holds (not the row length), traced as a symbol, so one compiled graph
-    serves every value."""
+    serves every value: in a compiled block's layout (the trainer's way) and as the argument
+    of a whole-model compile."""
     from torch._dynamo.utils import counters
 
     from nedolm.model import attn_select as select
@@ -84,12 +90,18 @@ def test_a_kernel_backend_gets_each_micro_batchs_longest_segment_and_nothing_rec
     torch_varlen_present_on_cpu(monkeypatch)
     dims = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
     model = build_model(ModelConfig(vocab_size=101, attn_impl="torch_varlen", **dims))
+    reference = build_model(model.cfg)
+    reference.load_state_dict(model.state_dict())
     options = LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=True)
     select.resolve_attn_impl("torch_varlen", "cpu", torch.bfloat16, backward=False)  # as a run
     assert trace_longest_segment_dynamically()
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, backend="aot_eager")
+    if how == "model":
+        compiled = torch.compile(model, backend="aot_eager")
+    else:
+        model.compile_blocks(backend="aot_eager")
+        compiled = model
     want = []
     for seed, boundaries in enumerate([(7, 20), (30, 33, 40), (3, 50), (12, 24, 36)]):
         gen = torch.Generator().manual_seed(seed)
@@ -103,7 +115,7 @@ def test_a_kernel_backend_gets_each_micro_batchs_longest_segment_and_nothing_rec
         LONGEST_SEEN.clear()
         with torch.no_grad():
             got = loss_sum(compiled, mb, options)
-            eager = loss_sum(model, mb, options)
+            eager = loss_sum(reference, mb, options)
         torch.testing.assert_close(got, eager)
         assert set(LONGEST_SEEN) == {mb.max_seqlen}, (LONGEST_SEEN, mb.max_seqlen)
     assert len(set(want)) > 1 and counters["frames"]["ok"] == 1
@@ -133,6 +145,8 @@ def test_a_backend_failing_in_the_warm_up_is_named_not_called_a_compile_failure(
     torch_varlen_present_on_cpu(monkeypatch)
     dims = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
     model = build_model(ModelConfig(vocab_size=101, attn_impl="torch_varlen", **dims))
+    reference = build_model(model.cfg)
+    reference.load_state_dict(model.state_dict())
     settings = StepSettings(
         DistInfo(0, 1, 0, torch.device("cpu")),
         eos_id=2,

@@ -81,6 +81,29 @@ def test_fsdp_matches_ddp_on_two_ranks(harness, pair, base_run):
             assert torch.equal(ours[key], reference), key
 
 
+@pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])
+def test_compiled_blocks_train_under_fsdp_and_ddp_as_eager_with_no_recompile(
+    harness, pair, make_config, parallelism: str
+):
+    """Each block compiled on its own, then sharded or replicated: the same losses as the eager
+    run, one traced frame, no graph break, and no recompile but the one FSDP's sharding
+    announces (a whole-model compile recompiled twice and broke inside FSDP's hooks)."""
+    config = make_config(
+        f"compiled-{parallelism}", train={**RECIPE, "parallelism": parallelism, "compile": True}
+    )
+    job = harness.Job(config, world_size=2)
+    job.wait_ok()
+    compiled, eager = harness.step_losses(job.run_dir), harness.step_losses(pair[parallelism])
+    assert sorted(compiled) == sorted(eager)
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-6), step
+    log = job.output(0)  # rank 0 logs for the job
+    assert "1 frame(s) compiled, 0 graph break(s)" in log
+    assert "recompiled" not in log and "torch.compile disabled" not in log
+    sharded_again = "torch.compile traces the blocks once more, now sharded by FSDP"
+    assert log.count(sharded_again) == (parallelism == "fsdp")
+
+
 def test_kill_9_then_resume_under_fsdp_is_exact(harness, pair, make_config):
     config = make_config("killed", train={**RECIPE, "parallelism": "fsdp", "ckpt_interval": 3})
     job = harness.Job(config, world_size=2, env=SLOW_FETCH)

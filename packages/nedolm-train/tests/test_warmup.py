@@ -14,7 +14,8 @@ from nedolm.train.trainer import run
 
 
 def _signature(model: torch.nn.Module, mb: step.MicroBatch, options: Any, scale: Any) -> tuple:
-    """What decides the compiled graph: the callee, the loss options, each tensor's layout."""
+    """What decides the compiled graph: the callee and whether it runs compiled blocks, the loss
+    options, each tensor's layout."""
     tensors = {
         name: (value.dtype, value.dim(), value.device.type)
         for name, value in vars(mb).items()
@@ -22,6 +23,7 @@ def _signature(model: torch.nn.Module, mb: step.MicroBatch, options: Any, scale:
     }
     return (
         type(model).__name__,
+        model.blocks_compiled and model.training,
         options,
         tensors,
         tuple(mb.inputs.shape),
@@ -54,5 +56,6 @@ def test_warmup_and_step_call_the_same_function_with_the_same_arguments(
     assert "compile warm-up done" in log and "torch.compile disabled" not in log
     warmup, *steps = calls
     assert len(steps) == 2  # grad_accum_steps micro-batches of the one optimizer step
-    assert warmup[0] == "OptimizedModule" and warmup[1].assistant_only_head is assistant_only_head
+    assert warmup[:2] == ("MorphTransformer", True)  # its blocks compiled, in training mode
+    assert warmup[2].assistant_only_head is assistant_only_head
     assert all(call == warmup for call in steps), (warmup, steps)

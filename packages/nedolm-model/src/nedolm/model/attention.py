@@ -82,7 +82,7 @@ class VarlenLayout:
     For eager `sdpa`, `groups` holds [n, P] token indices per padded length (or, when every
     segment has the same length L, just the int L: a reshape instead of a gather) and `inverse`
     [T] maps each token to its row in the concatenated group outputs (None when that is already
-    token order). Under torch.compile both stay empty and the `nedolm::sdpa_varlen` op plans
+    token order). For compiled blocks both stay empty and the `nedolm::sdpa_varlen` op plans
     inside itself, so compiled graphs do not depend on how rows were packed (no recompiles from
     batch to batch); `cu_seqlens` is then a CPU copy, read from the device once per forward,
     so no layer waits for the device to plan. `flex` keeps its document block mask in
@@ -98,9 +98,12 @@ class VarlenLayout:
 
 
 def build_layout(
-    impl: str, cu_seqlens: Tensor, max_seqlen: int | None, n_tokens: int
+    impl: str, cu_seqlens: Tensor, max_seqlen: int | None, n_tokens: int, *, compiled: bool = False
 ) -> VarlenLayout:
     """Precompute a backend's view of the segments (the sdpa plan needs the lengths on host).
+
+    `compiled`: the blocks run compiled (or this runs inside torch.compile), so sdpa leaves the
+    plan to its op: a graph must not depend on how the rows were packed.
 
     Raises:
         ValueError: (sdpa, which reads the offsets anyway) cu_seqlens does not split
@@ -110,8 +113,11 @@ def build_layout(
     if impl == "flex":  # the mask needs no host read
         mask = document_block_mask(cu_seqlens, n_tokens)
         return VarlenLayout(impl, cu_seqlens, max_seqlen or 0, [], None, mask)
-    if impl == "sdpa" and torch.compiler.is_compiling():
-        return VarlenLayout(impl, cu_seqlens.cpu(), max_seqlen or 0, [], None)
+    if impl == "sdpa" and (compiled or torch.compiler.is_compiling()):
+        host_cu = cu_seqlens.cpu()
+        if not torch.compiler.is_compiling():  # a compiled block's input: any segment count
+            torch._dynamo.maybe_mark_dynamic(host_cu, 0)
+        return VarlenLayout(impl, host_cu, max_seqlen or 0, [], None)
     if impl != "sdpa":
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

@@ -1,6 +1,9 @@
 """torch.compile of the training model: one warm-up on the training shapes, counted recompiles.
 
-The warm-up runs ``forward_backward``, as every step does, on a micro-batch built by the step's
+The model's blocks are compiled, each on its own (``MorphTransformer.compile_blocks``): they
+share one graph, so the warm-up traces one block instead of unrolling every layer (nedolm-0.8b
+compiles in seconds, not a minute), and FSDP's per-block units wrap compiled blocks as
+torchtitan's do. The warm-up runs ``forward_backward``, as every step does, on a micro-batch built by the step's
 own ``to_micro_batch`` from a loader-shaped batch, so it traces the graph that training runs:
 the same shapes and strides, the segment and target counts already dynamic. Training should
 then never compile again; dynamo's own counters (frames compiled, graph breaks) are logged at
@@ -18,10 +21,9 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
 from nedolm.dist import collect_rank_errors
-from nedolm.model import AttentionBackendError
+from nedolm.model import AttentionBackendError, MorphTransformer
 from nedolm.train.faults import maybe_inject
 from nedolm.train.step import MicroBatch, StepSettings, forward_backward, to_micro_batch
 
@@ -30,8 +32,9 @@ log = logging.getLogger(__name__)
 SEGMENTS_PER_ROW = 8
 """Conversations per row of the warm-up batch (the count is dynamic: any will do)."""
 
-LONGEST_SEGMENT_SOURCE = "L['max_seqlen']"
-"""The model forward's ``max_seqlen`` argument, as dynamo names it."""
+LONGEST_SEGMENT_SOURCES = ("L['layout'].max_seqlen", "L['max_seqlen']")
+"""The longest segment as dynamo names it: in a compiled block's layout, and as the model
+forward's argument (for a whole-model ``torch.compile``)."""
 
 
 def dynamo_counts() -> tuple[int, int]:
@@ -42,15 +45,23 @@ def dynamo_counts() -> tuple[int, int]:
 
 
 class _RecompileLog:
-    """Logs each compilation after the warm-up: there should be none."""
+    """Logs each compilation after the warm-up: there should be none but the ``expected``
+    ones (FSDP makes each block an instance of a new class, which the first step traces once
+    more: the warm-up runs before sharding, so that a rank failing it cannot strand the others
+    inside a collective)."""
 
     def __init__(self) -> None:
         self.recompiles = 0
+        self.expected = 0
         self.armed = False
 
     def __call__(self, args: Any = None) -> None:
         trigger = getattr(args, "callback_trigger", None)
         if not self.armed or (trigger is not None and trigger.name != "DYNAMO"):
+            return
+        if self.expected:
+            self.expected -= 1
+            log.info("torch.compile traces the blocks once more, now sharded by FSDP")
             return
         self.recompiles += 1
         log.warning(
@@ -72,16 +83,16 @@ def _recompile_log() -> _RecompileLog:
         _RECOMPILES = _RecompileLog()
         callback_handler.register_start_callback(_RECOMPILES)
     _RECOMPILES.armed = False
-    _RECOMPILES.recompiles = 0
+    _RECOMPILES.recompiles = _RECOMPILES.expected = 0
     return _RECOMPILES
 
 
 def trace_longest_segment_dynamically() -> bool:
-    """Have every later compile in this process trace the forward's ``max_seqlen`` as a symbol.
+    """Have every later compile in this process trace ``max_seqlen`` as a symbol.
 
     It is the micro-batch's longest conversation (the kernel backends size their grids by
     it), so it changes almost every step; dynamo specialises an int argument on its first
-    value and recompiles the whole model at the first other one. Listed in
+    value and recompiles at the first other one. Listed in
     ``torch.compiler.config.dynamic_sources`` (after any sources the user set there or in
     TORCH_COMPILE_DYNAMIC_SOURCES) it is dynamic from the first trace. False where torch
     has no such setting: then the first new value recompiles once (and is logged).
@@ -90,8 +101,8 @@ def trace_longest_segment_dynamically() -> bool:
     if not hasattr(config, "dynamic_sources"):
         return False
     sources = [source for source in config.dynamic_sources.split(",") if source]
-    if LONGEST_SEGMENT_SOURCE not in sources:
-        config.dynamic_sources = ",".join([*sources, LONGEST_SEGMENT_SOURCE])
+    missing = [source for source in LONGEST_SEGMENT_SOURCES if source not in sources]
+    config.dynamic_sources = ",".join([*sources, *missing])
     return True
 
 
@@ -115,14 +126,17 @@ def warmup_batch(
 
 
 def compile_and_warm_up(
-    base_model: nn.Module,
+    model: MorphTransformer,
     settings: StepSettings,
     micro_batch: int,
     seq_len: int,
+    *,
+    fsdp_after: bool = False,
     **compile_args: Any,
-) -> nn.Module | None:
-    """``torch.compile(base_model, **compile_args)``, warmed up on every rank; None (on every
-    rank) if compiling failed anywhere, then the run trains eagerly.
+) -> bool:
+    """``model.compile_blocks(**compile_args)``, warmed up on every rank. False (on every rank)
+    if compiling failed anywhere: the blocks are eager again and the run trains eagerly.
+    ``fsdp_after``: FSDP will shard the model, so the first step's one new trace is expected.
 
     Raises:
         AttentionBackendError: on every rank, when the warm-up failed on some rank because of
@@ -131,22 +145,21 @@ def compile_and_warm_up(
     info = settings.info
     recompiles = _recompile_log()
     compile_error = backend_error = ""
-    compiled: nn.Module | None = None
     try:
-        log.info("compile warm-up started (%s)", compile_args)
+        log.info("compile warm-up started (%s, each block on its own)", compile_args)
         started = time.monotonic()
         frames, breaks = dynamo_counts()
         maybe_inject("compile_warmup", info.rank)
         if not trace_longest_segment_dynamically():
             log.info("torch %s cannot trace max_seqlen dynamically", torch.__version__)
-        compiled = torch.compile(base_model, **compile_args)
-        mb = warmup_batch(
-            base_model.cfg.vocab_size, micro_batch, seq_len, settings.eos_id, info.device
-        )
+        model.compile_blocks(**compile_args)
+        model.train()  # the mode whose forwards run the compiled blocks
+        mb = warmup_batch(model.cfg.vocab_size, micro_batch, seq_len, settings.eos_id, info.device)
         try:
-            forward_backward(compiled, mb, settings.loss, info.world_size / mb.targets)
+            forward_backward(model, mb, settings.loss, info.world_size / mb.targets)
         except Exception as exc:  # which one failed: the compiler or the model?
-            backend_error = _backend_failure(exc, base_model, mb, settings)
+            model.uncompile_blocks()
+            backend_error = _backend_failure(exc, model, mb, settings)
             raise
         frames_after, breaks_after = dynamo_counts()
         log.info(
@@ -160,24 +173,27 @@ def compile_and_warm_up(
     except Exception as exc:  # decided together below
         compile_error = f"{type(exc).__name__}: {exc}"
     finally:
-        base_model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
     backend_errors = collect_rank_errors(info, backend_error)
     if backend_errors:
+        model.uncompile_blocks()
         raise AttentionBackendError(
-            f"the attention backend (attn_impl={base_model.cfg.attn_impl!r}) fails in the "
+            f"the attention backend (attn_impl={model.cfg.attn_impl!r}) fails in the "
             "compile warm-up (its own error, or the same step fails eagerly too): not a compile "
             "failure; choose another attn_impl: " + " | ".join(backend_errors)
         )
     errors = collect_rank_errors(info, compile_error)
     if errors:
+        model.uncompile_blocks()
         log.warning("torch.compile disabled on every rank: %s", " | ".join(errors))
-        return None
+        return False
+    recompiles.expected = int(fsdp_after)
     recompiles.armed = True
-    return compiled
+    return True
 
 
 def _backend_failure(
-    exc: BaseException, base_model: nn.Module, mb: MicroBatch, settings: StepSettings
+    exc: BaseException, model: MorphTransformer, mb: MicroBatch, settings: StepSettings
 ) -> str:
     """Why the warm-up failed if not because of the compiler ("" for a compile failure): an
     AttentionBackendError anywhere in the chain, or the same step failing eagerly."""
@@ -186,9 +202,9 @@ def _backend_failure(
         if isinstance(cause, AttentionBackendError):
             return f"{type(cause).__name__}: {cause}"
         cause = cause.__cause__ or cause.__context__
-    base_model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     try:
-        forward_backward(base_model, mb, settings.loss, settings.info.world_size / mb.targets)
+        forward_backward(model, mb, settings.loss, settings.info.world_size / mb.targets)
     except Exception as eager_exc:
         return f"{type(eager_exc).__name__}: {eager_exc}"
     return ""

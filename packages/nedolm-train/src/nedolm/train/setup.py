@@ -39,9 +39,10 @@ from nedolm.dist import (
     DistInfo,
     all_rank_call,
     broadcast_module_state,
+    is_distributed,
     main_rank_call,
 )
-from nedolm.model import ModelConfig, build_model, resolve_attn_impl
+from nedolm.model import ModelConfig, MorphTransformer, build_model, resolve_attn_impl
 from nedolm.train.async_save import StagedCopies
 from nedolm.train.audit import BatchAudit
 from nedolm.train.base import (
@@ -86,7 +87,8 @@ class Run:
     state: TrainState
     """Bare model, optimizer, progress, loader: what a checkpoint saves and restores."""
     model: nn.Module
-    """What the step calls: ``state.model`` compiled and/or DDP-wrapped (FSDP shards in place)."""
+    """What the step calls: ``state.model`` DDP-wrapped, or itself (FSDP shards it in place; its
+    blocks run compiled in training mode when ``execution.effective_compile``)."""
     settings: StepSettings
     train_batches: Iterator[dict[str, torch.Tensor]]
     """Infinite iterator over ``state.loader``."""
@@ -190,7 +192,7 @@ def prepare_run(
     )
     staged = StagedCopies() if staged is None else staged
     _reserve_staging(staged, cfg, info, base_model)  # while the compile warm-up runs
-    model, effective_compile = _maybe_compile(base_model, cfg, seq_len, settings, allow_compile)
+    effective_compile = _maybe_compile(base_model, cfg, seq_len, settings, allow_compile)
     contract["execution"] = execution_mode(
         world_size=info.world_size,
         num_workers=cfg.train.num_workers,
@@ -206,7 +208,7 @@ def prepare_run(
                 resume, contract, str(resume_path), parts=("execution",), free=free
             ),
         )
-    model = _parallelize(base_model, model, cfg, info)
+    model = _parallelize(base_model, cfg, info)
 
     optimizer = all_rank_call(
         info, "build optimizer", lambda: build_optimizer(base_model, cfg.optim)
@@ -462,21 +464,18 @@ def _restore(
         )
 
 
-def _parallelize(
-    base_model: nn.Module, model: nn.Module, cfg: SFTConfig, info: DistInfo
-) -> nn.Module:
-    """DDP wraps what the step calls (compiled or not); FSDP shards the bare model in place,
-    so a compiled wrapper of it keeps calling the sharded module."""
+def _parallelize(base_model: MorphTransformer, cfg: SFTConfig, info: DistInfo) -> nn.Module:
+    """DDP wraps the model (its blocks compiled or not); FSDP shards it in place, each block
+    a unit whose compiled wrapper keeps calling the sharded block."""
     t = cfg.train
-    wrapped = parallelize(
-        base_model if t.parallelism == "fsdp" else model,
+    return parallelize(
+        base_model,
         t.parallelism,
         device=info.device,
         precision=t.precision,
         ddp_bucket_cap_mb=t.ddp_bucket_cap_mb,
         ddp_static_graph=t.ddp_static_graph,
     )
-    return model if t.parallelism == "fsdp" else wrapped
 
 
 def _load_base(cfg: SFTConfig, model: nn.Module) -> Path:
@@ -498,29 +497,29 @@ def _reserve_staging(
 
 
 def _maybe_compile(
-    base_model: nn.Module,
+    base_model: MorphTransformer,
     cfg: SFTConfig,
     seq_len: int,
     settings: StepSettings,
     allow_compile: bool,
-) -> tuple[nn.Module, bool]:
-    """Compile and warm up on every rank (``compile_and_warm_up``); if any rank fails to
-    compile, every rank runs eagerly.
+) -> bool:
+    """Compile the blocks and warm up on every rank (``compile_and_warm_up``); if any rank
+    fails to compile, every rank runs eagerly. True when the blocks run compiled.
 
     Runs before DDP so that a failed warm-up cannot strand a rank inside a DDP collective, and
     so that all ranks share one execution mode.
     """
     if not (cfg.train.compile and allow_compile):
-        return base_model, False
-    compiled = compile_and_warm_up(
+        return False
+    return compile_and_warm_up(
         base_model,
         settings,
         cfg.train.micro_batch_size,
         seq_len,
+        fsdp_after=cfg.train.parallelism == "fsdp" and is_distributed(),
         mode=cfg.train.compile_mode,
         backend=cfg.train.compile_backend,
     )
-    return (base_model, False) if compiled is None else (compiled, True)
 
 
 def _build_loaders(

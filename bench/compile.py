@@ -1,0 +1,130 @@
+"""Compile warm-up: each block on its own (the trainer's way) vs the whole model in one graph.
+
+    python bench/compile.py [--runs 2] [--steps 5] [--layers 24] [--seq-len 512] [--device cpu]
+
+nedolm-0.8b's depth (24 blocks) at a narrow width (d_model 256), so the CPU measures what
+depth costs the compiler: a whole-model ``torch.compile`` unrolls every block, compiled blocks
+share one traced graph. Each configuration runs in a fresh process with an empty inductor
+cache (a warm on-disk cache would hide the cost a user pays at every start and resume):
+the first forward+backward (the warm-up the trainer logs), then the median training step
+(forward, backward, AdamW) on the same micro-batch. Medians over ``--runs`` processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+MODES = ("blocks", "model", "eager")
+LABELS = {
+    "blocks": "compiled blocks (`compile_blocks`, the trainer)",
+    "model": "whole model (`torch.compile(model)`)",
+    "eager": "eager",
+}
+
+
+def child(args: argparse.Namespace) -> dict[str, float]:
+    """One configuration in this process: (warm-up s, median step ms)."""
+    import torch
+
+    from nedolm.dist import DistInfo
+    from nedolm.model import build_model, preset, resolve_attn_impl
+    from nedolm.train.compiling import compile_and_warm_up, warmup_batch
+    from nedolm.train.step import LossOptions, StepSettings, forward_backward
+
+    device = torch.device(args.device)
+    narrow = dict(d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=512, morph_expert_dim=64)
+    cfg = preset("nedolm-0.8b", n_layers=args.layers, vocab_size=4096, **narrow)
+    resolve_attn_impl(cfg.attn_impl, device)  # as a run does: probed before compiling
+    torch.manual_seed(0)
+    with device:
+        model = build_model(cfg)
+    on_cuda = device.type == "cuda"
+    settings = StepSettings(
+        DistInfo(0, 1, 0, device),
+        eos_id=2,
+        grad_accum_steps=1,
+        grad_clip=1.0,
+        loss=LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=on_cuda),
+    )
+    mb = warmup_batch(cfg.vocab_size, args.micro_batch, args.seq_len, 2, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    step_model = torch.compile(model) if args.child == "model" else model
+
+    def step() -> None:
+        forward_backward(step_model, mb, settings.loss, 1.0 / mb.targets)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    start = time.perf_counter()
+    if args.child == "blocks":
+        assert compile_and_warm_up(model, settings, args.micro_batch, args.seq_len)
+    step()
+    warmup_s = time.perf_counter() - start
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"warmup_s": warmup_s, "step_ms": 1e3 * statistics.median(times)}
+
+
+def measure(mode: str, args: argparse.Namespace) -> dict[str, float]:
+    """``mode`` in a fresh process with an empty inductor cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
+        argv = [sys.executable, __file__, "--child", mode, *forwarded(args)]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    names = ("steps", "layers", "seq_len", "micro_batch", "device")
+    return [
+        part for name in names for part in (f"--{name.replace('_', '-')}", str(vars(args)[name]))
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2, help="processes per configuration")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    parser.add_argument("--layers", type=int, default=24, help="blocks (nedolm-0.8b: 24)")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    results = {mode: [measure(mode, args) for _ in range(args.runs)] for mode in MODES}
+    warmup = {
+        mode: statistics.median(r["warmup_s"] for r in runs) for mode, runs in results.items()
+    }
+    step = {mode: statistics.median(r["step_ms"] for r in runs) for mode, runs in results.items()}
+    print(
+        f"{args.layers} blocks, d_model 256, {args.micro_batch}x{args.seq_len} tokens, "
+        f"{args.device}, median of {args.runs} fresh processes\n"
+    )
+    print("| compile | first step s (warm-up) | vs whole model | step ms | vs eager |")
+    print("|---|---|---|---|---|")
+    for mode in MODES:
+        print(
+            f"| {LABELS[mode]} | {warmup[mode]:.1f} | {warmup[mode] / warmup['model']:.2f} | "
+            f"{step[mode]:.0f} | {step[mode] / step['eager']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
