@@ -3,11 +3,12 @@
 The model's blocks are compiled, each on its own (``MorphTransformer.compile_blocks``): they
 share one graph, so the warm-up traces one block instead of unrolling every layer (nedolm-0.8b
 compiles in seconds, not a minute), and FSDP's per-block units wrap compiled blocks as
-torchtitan's do. The warm-up runs ``forward_backward``, as every step does, on a micro-batch built by the step's
-own ``to_micro_batch`` from a loader-shaped batch, so it traces the graph that training runs:
-the same shapes and strides, the segment and target counts already dynamic. Training should
-then never compile again; dynamo's own counters (frames compiled, graph breaks) are logged at
-the end of the warm-up, and each later compilation is logged as a recompile when it happens.
+torchtitan's do. The warm-up runs ``forward_backward``, as every step does, on a micro-batch
+built by the step's own ``to_micro_batch`` from a loader-shaped batch, so it traces the graph
+that training runs: the same shapes and strides, the segment and target counts already
+dynamic. Training should then never compile again; dynamo's own counters (frames compiled,
+graph breaks) are logged at the end of the warm-up, and each later compilation is logged as a
+recompile when it happens.
 
 A warm-up that fails is not always a compile failure: the attention backend can fail on this
 machine whatever the compiler does. Such a failure is raised, naming the backend, instead of
