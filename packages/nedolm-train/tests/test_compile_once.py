@@ -145,8 +145,6 @@ def test_a_backend_failing_in_the_warm_up_is_named_not_called_a_compile_failure(
     torch_varlen_present_on_cpu(monkeypatch)
     dims = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
     model = build_model(ModelConfig(vocab_size=101, attn_impl="torch_varlen", **dims))
-    reference = build_model(model.cfg)
-    reference.load_state_dict(model.state_dict())
     settings = StepSettings(
         DistInfo(0, 1, 0, torch.device("cpu")),
         eos_id=2,

@@ -278,8 +278,7 @@ class MorphTransformer(nn.Module):
         )
         impl = resolve_attn_impl(self.cfg.attn_impl, device, dtype, backward=False)
         blocks = self._compiled_blocks if self.training and self._compiled_blocks else self.blocks
-        compiled = blocks is not self.blocks or torch.compiler.is_compiling()
-        layout = build_layout(impl, cu_seqlens, max_seqlen, T, compiled=compiled)
+        layout = build_layout(impl, cu_seqlens, max_seqlen, T, compiled=blocks is not self.blocks)
         if position_ids is None:
             positions_T = positions_from_cu_seqlens(cu_seqlens, T)
         elif position_ids.numel() == T:
