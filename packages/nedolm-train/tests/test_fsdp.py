@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -35,10 +36,14 @@ EPOCH_WINDOWS = 38
 
 
 def _weights(run_dir: Path, base_run: Path) -> dict[str, torch.Tensor]:
-    """Final weights of a run, from a checkpoint file or a sharded directory."""
+    """Final weights of a run, from a checkpoint file or a sharded directory, loaded as an
+    export loads them: in one process, without a warning."""
     path = latest_checkpoint(run_dir)
     model = build_model(model_config(load_run_config(base_run / "config.yaml")))
-    load_model_weights(path, read_checkpoint(path), model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model_weights(path, read_checkpoint(path), model)
+    assert not caught, [str(w.message) for w in caught]
     return model.state_dict()
 
 

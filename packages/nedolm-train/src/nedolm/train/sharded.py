@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -267,14 +268,22 @@ def read_payload(directory: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+_SINGLE_PROCESS_LOAD = "torch.distributed is disabled, unavailable or uninitialized"
+"""The start of torch's warning on a load in one process (``filterwarnings`` matches starts)."""
+
+
 def load_sharded_model(directory: Path, model: nn.Module) -> None:
     """Load only the model weights of a sharded checkpoint into a plain model (one process).
 
-    For export and generation: the optimizer shards are not read.
+    For export and generation: the optimizer shards are not read. torch warns on every load
+    without a process group (even with ``no_dist``) that it assumes one process, which is the
+    intent here, so that one message is filtered out of what ``export`` and ``chat`` print.
     """
     read_manifest(directory)
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=Path(directory))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_LOAD, category=UserWarning)
+        dcp.load(state, checkpoint_id=Path(directory), no_dist=True)
     set_model_state_dict(model, state["model"])
 
 
