@@ -153,6 +153,7 @@ def collectives(info: nd.DistInfo, out_dir: Path) -> Report:
     logging.getLogger(f"nedolm.test.rank{rank}.child").info("child info")
     logger.info("info")
     logger.warning("warning")
+    logger.warning("agreed warning", extra=nd.ON_MAIN_RANK)
     report["log_lines"] = stream.getvalue().splitlines()
     report["barrier"] = outcome(nd.barrier)
     return report

@@ -152,8 +152,13 @@ def check_broadcast_module_state_mismatch_fails_everywhere(run: Run) -> None:
         assert_rank_error_everywhere(results, expected)
 
 
-def check_main_rank_filter_logs_info_on_rank0_only(run: Run) -> None:
-    assert run.reports[0]["log_lines"] == ["0 INFO child info", "0 INFO info", "0 WARNING warning"]
+def check_main_rank_filter_logs_info_and_agreed_warnings_on_rank0_only(run: Run) -> None:
+    assert run.reports[0]["log_lines"] == [
+        "0 INFO child info",
+        "0 INFO info",
+        "0 WARNING warning",
+        "0 WARNING agreed warning",
+    ]
     for rank in run.ranks[1:]:
         assert run.reports[rank]["log_lines"] == [f"{rank} WARNING warning"]
 
@@ -169,7 +174,7 @@ CHECKS = [
     check_sum_all,
     check_broadcast_module_state_is_bitwise,
     check_broadcast_module_state_mismatch_fails_everywhere,
-    check_main_rank_filter_logs_info_on_rank0_only,
+    check_main_rank_filter_logs_info_and_agreed_warnings_on_rank0_only,
 ]
 
 

@@ -48,5 +48,8 @@ def test_compile_failure_on_one_rank_falls_back_to_eager_everywhere(harness, mak
     job.wait_ok()
     for rank in (0, 1):
         assert "torch.compile disabled on every rank: rank 1: InjectedFault" in job.output(rank)
+    # The same job (2 steps, a 3-step warm-up) shows a config warning printed by rank 0 alone.
+    warning = "WARNING warm-up of 3 steps is as long as the run (2 steps)"
+    assert warning in job.output(0) and warning not in job.output(1)
     state = load_checkpoint(latest_checkpoint(job.run_dir))
     assert state["contract"]["execution"]["effective_compile"] is False

@@ -31,7 +31,7 @@ from nedolm.dist.group import (
 )
 from nedolm.dist.launcher_watch import LAUNCHER_PID_ENV, watch_launcher
 from nedolm.dist.liveness import PeerLostError, lost_ranks, raise_if_peers_lost
-from nedolm.dist.log import MainRankFilter
+from nedolm.dist.log import ON_MAIN_RANK, MainRankFilter
 
 __all__ = [
     "LAUNCHER_PID_ENV",
@@ -39,6 +39,7 @@ __all__ = [
     "DistEnvError",
     "DistInfo",
     "LaunchEnv",
+    "ON_MAIN_RANK",
     "MainRankFilter",
     "PeerLostError",
     "RankError",

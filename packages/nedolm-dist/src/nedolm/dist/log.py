@@ -1,14 +1,21 @@
-"""Rank-aware logging: INFO from rank 0 only, warnings and errors from every rank."""
+"""Rank-aware logging: INFO from rank 0 only, warnings and errors from every rank, except a
+warning every rank logs alike (``extra=ON_MAIN_RANK``), which rank 0 alone prints."""
 
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 from nedolm.dist.group import get_rank
 
+ON_MAIN_RANK: Final = {"main_rank_only": True}
+"""``extra=`` for a warning every rank reaches alike (a config fact, an agreed stop): a job on
+64 ranks prints it once, not 64 times."""
+
 
 class MainRankFilter(logging.Filter):
-    """Drop records below WARNING on non-zero ranks and tag every record with ``rank``.
+    """Drop records below WARNING, and those marked ``ON_MAIN_RANK``, on non-zero ranks; tag
+    every record with ``rank``.
 
     Attach it to a *handler* (logger filters do not see records propagated from child
     loggers); formats may then use ``%(rank)s``. Replaces ``if rank == 0: log(...)``.
@@ -17,4 +24,6 @@ class MainRankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         rank = get_rank()
         record.rank = rank
-        return rank == 0 or record.levelno >= logging.WARNING
+        if rank == 0:
+            return True
+        return record.levelno >= logging.WARNING and not getattr(record, "main_rank_only", False)

@@ -36,6 +36,7 @@ from nedolm.data.packing import discover_sft_shards
 from nedolm.data.roles import validate_roles
 from nedolm.data.stats import corpus_stats
 from nedolm.dist import (
+    ON_MAIN_RANK,
     DistInfo,
     all_rank_call,
     broadcast_module_state,
@@ -378,6 +379,7 @@ def _log_schedule(cfg: SFTConfig, info: DistInfo, max_steps: int, steps_per_epoc
             "warm-up ramp; lower optim.warmup_steps or give optim.warmup_ratio (e.g. 0.05)",
             warmup,
             max_steps,
+            extra=ON_MAIN_RANK,
         )
 
 
