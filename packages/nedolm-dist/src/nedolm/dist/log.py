@@ -9,8 +9,8 @@ from typing import Final
 from nedolm.dist.group import get_rank
 
 ON_MAIN_RANK: Final = {"main_rank_only": True}
-"""``extra=`` for a warning every rank reaches alike (a config fact, an agreed stop): a job on
-64 ranks prints it once, not 64 times."""
+"""``extra=`` for a warning every rank reaches alike (a fact of the config, not of the rank):
+a job on 64 ranks prints it once, not 64 times."""
 
 
 class MainRankFilter(logging.Filter):
