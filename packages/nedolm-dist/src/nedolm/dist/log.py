@@ -8,7 +8,8 @@ from typing import Final
 
 from nedolm.dist.group import get_rank
 
-ON_MAIN_RANK: Final = {"main_rank_only": True}
+_MAIN_RANK_ONLY = "main_rank_only"
+ON_MAIN_RANK: Final = {_MAIN_RANK_ONLY: True}
 """``extra=`` for a warning every rank reaches alike (a fact of the config, not of the rank):
 a job on 64 ranks prints it once, not 64 times."""
 
@@ -26,4 +27,4 @@ class MainRankFilter(logging.Filter):
         record.rank = rank
         if rank == 0:
             return True
-        return record.levelno >= logging.WARNING and not getattr(record, "main_rank_only", False)
+        return record.levelno >= logging.WARNING and not getattr(record, _MAIN_RANK_ONLY, False)
