@@ -145,7 +145,9 @@ class Job:
         world_size: int = 1,
         env: dict[str, str] | None = None,
         args: tuple[str, ...] = (),
+        before_exec: dict[int, Callable[[], None]] | None = None,
     ) -> None:
+        """``before_exec``: per rank, run in the child before the trainer starts (a limit)."""
         self.config = config
         self.run_dir = Path(yaml.safe_load(config.read_text(encoding="utf-8"))["run_dir"])
         port = free_port()
@@ -172,7 +174,12 @@ class Job:
             log = config.parent / f"{config.stem}-{stamp}-rank{rank}.log"
             with log.open("wb") as out:
                 proc = subprocess.Popen(
-                    cmd, env=penv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    cmd,
+                    env=penv,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=(before_exec or {}).get(rank),
                 )
             self.procs.append(proc)
             self.logs.append(log)

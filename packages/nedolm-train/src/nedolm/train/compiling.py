@@ -26,6 +26,7 @@ import torch
 from nedolm.dist import collect_rank_errors
 from nedolm.model import AttentionBackendError, MorphTransformer
 from nedolm.train.faults import maybe_inject
+from nedolm.train.memory import is_out_of_memory
 from nedolm.train.step import MicroBatch, StepSettings, forward_backward, to_micro_batch
 
 log = logging.getLogger(__name__)
@@ -140,12 +141,14 @@ def compile_and_warm_up(
     ``fsdp_after``: FSDP will shard the model, so the first step's one new trace is expected.
 
     Raises:
+        OutOfMemory: on every rank, when the warm-up step did not fit on some rank (its advice
+            names the config keys that shrink it).
         AttentionBackendError: on every rank, when the warm-up failed on some rank because of
             the attention backend (or fails eagerly too): no execution mode would train.
     """
     info = settings.info
     recompiles = _recompile_log()
-    compile_error = backend_error = ""
+    compile_error = backend_error = memory_error = ""
     try:
         log.info("compile warm-up started (%s, each block on its own)", compile_args)
         started = time.monotonic()
@@ -158,9 +161,12 @@ def compile_and_warm_up(
         mb = warmup_batch(model.cfg.vocab_size, micro_batch, seq_len, settings.eos_id, info.device)
         try:
             forward_backward(model, mb, settings.loss, info.world_size / mb.targets)
-        except Exception as exc:  # which one failed: the compiler or the model?
+        except Exception as exc:  # which one failed: memory, the compiler or the model?
             model.uncompile_blocks()
-            backend_error = _backend_failure(exc, model, mb, settings)
+            if is_out_of_memory(exc):  # an eager retry would need more memory, not less
+                memory_error = f"{type(exc).__name__}: {exc}"
+            else:
+                backend_error = _backend_failure(exc, model, mb, settings)
             raise
         frames_after, breaks_after = dynamo_counts()
         log.info(
@@ -175,6 +181,9 @@ def compile_and_warm_up(
         compile_error = f"{type(exc).__name__}: {exc}"
     finally:
         model.zero_grad(set_to_none=True)
+    memory_errors = collect_rank_errors(info, memory_error)
+    if memory_errors:
+        raise settings.memory.error("in the compile warm-up", memory_errors)
     backend_errors = collect_rank_errors(info, backend_error)
     if backend_errors:
         model.uncompile_blocks()

@@ -206,6 +206,7 @@ class Trainer:
             eos_id=run.eos_id,
             options=run.settings.loss,
             sources=read_validation_sources(run.cfg.data_dir),
+            memory=run.settings.memory,
         )
         record = {
             "step": step,

@@ -65,6 +65,7 @@ from nedolm.train.contract import (
     split_train_val,
     training_contract,
 )
+from nedolm.train.memory import memory_advice
 from nedolm.train.optim import build_optimizer
 from nedolm.train.parallel import is_sharded, parallelize
 from nedolm.train.state import TrainState, read_checkpoint
@@ -190,6 +191,7 @@ def prepare_run(
             loss_fp32_logits=cfg.train.loss_fp32_logits,
             use_amp=info.device.type == "cuda",
         ),
+        memory=memory_advice(cfg, seq_len, info.world_size),
     )
     staged = StagedCopies() if staged is None else staged
     _reserve_staging(staged, cfg, info, base_model)  # while the compile warm-up runs

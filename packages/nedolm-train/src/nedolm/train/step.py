@@ -34,11 +34,16 @@ from torch import Tensor, nn
 from nedolm.dist import DistInfo, collect_rank_errors, sum_all
 from nedolm.model import IGNORE_INDEX, packed_layout
 from nedolm.train.faults import maybe_inject
+from nedolm.train.memory import DEFAULT_ADVICE, MemoryAdvice, is_out_of_memory
 from nedolm.train.parallel import local_tensor, maybe_no_sync
 
 
 class StepError(RuntimeError):
     """An optimizer step cannot be taken; raised with the same message on every rank."""
+
+
+class NonFiniteGradNorm(RuntimeError):
+    """The gradient norm is inf or nan: no gradient was scaled, the step must not be taken."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,8 @@ class StepSettings:
     """Micro-batches per optimizer step on each rank."""
     grad_clip: float
     loss: LossOptions
+    memory: MemoryAdvice = DEFAULT_ADVICE
+    """What the run can change when a step does not fit (named in the error raised)."""
 
 
 @dataclass(frozen=True)
@@ -229,14 +236,14 @@ def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
     them (~1.5 ms of an H200 for 0.8B float32 gradients) that changes no bit.
 
     Raises:
-        RuntimeError: the norm is not finite (no gradient is scaled).
+        NonFiniteGradNorm: the norm is not finite (no gradient is scaled).
     """
     grads = [p.grad for p in params if p.grad is not None]
     norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
     total = local_tensor(torch.linalg.vector_norm(torch.stack(norms)))
     norm = float(total)
     if not math.isfinite(norm):
-        raise RuntimeError(f"the gradient norm is {norm}")
+        raise NonFiniteGradNorm(f"the gradient norm is {norm}")
     if max_norm / (norm + _CLIP_EPS) < 1.0:  # torch's factor, in the same float64 arithmetic
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return norm
@@ -282,17 +289,22 @@ def train_step(
     )
     scale = settings.info.world_size / global_targets
     local_loss = torch.zeros((), dtype=torch.float32, device=micro_batches[0].inputs.device)
-    for i, mb in enumerate(micro_batches):
-        with maybe_no_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-            local_loss += forward_backward(model, mb, settings.loss, scale)
-    if loss_window is not None:
-        loss_window.total += local_loss
     try:
+        for i, mb in enumerate(micro_batches):
+            with maybe_no_sync(model, last_micro_batch=i == len(micro_batches) - 1):
+                local_loss += forward_backward(model, mb, settings.loss, scale)
+        if loss_window is not None:
+            loss_window.total += local_loss
         grad_norm = clip_grad_norm(params, settings.grad_clip)
-    except RuntimeError as exc:  # same all-reduced gradients, so every rank raises
+        if loss_window is not None and loss_window.read_now:
+            loss_window.read()
+        optimizer.step()  # its first call allocates AdamW's moments
+    except NonFiniteGradNorm as exc:  # same all-reduced gradients, so every rank raises
         raise StepError(f"non-finite gradient norm at optimizer step {step}: {exc}") from exc
-    if loss_window is not None and loss_window.read_now:
-        loss_window.read()
-    optimizer.step()
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        cause = f"{type(exc).__name__}: {exc}"
+        raise settings.memory.error(f"at optimizer step {step}", [cause]) from exc
     optimizer.zero_grad(set_to_none=True)
     return StepResult(local_loss, grad_norm, global_targets, stop)

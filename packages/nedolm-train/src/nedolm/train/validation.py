@@ -24,6 +24,7 @@ from torch import nn
 from nedolm.data.loader import SFTLoader
 from nedolm.dist import DistInfo, collect_rank_errors, sum_all
 from nedolm.train.faults import maybe_inject
+from nedolm.train.memory import DEFAULT_ADVICE, MemoryAdvice, is_out_of_memory
 from nedolm.train.step import LossOptions, StepError, loss_sum, to_micro_batch
 
 
@@ -52,21 +53,25 @@ def run_validation(
     eos_id: int,
     options: LossOptions,
     sources: Mapping[int, str] | None = None,
+    memory: MemoryAdvice = DEFAULT_ADVICE,
 ) -> ValidationResult:
     """Evaluate ``model`` (the bare module, not the DDP/compiled wrapper) on ``batches`` batches.
 
     ``sources`` maps validation shard ids to the input they hold (``read_validation_sources``;
     ``loader`` is then an ``SFTLoader``); rows of other shards count in the overall loss only.
+    ``memory`` words the error when a batch does not fit.
 
     Raises:
-        StepError: on every rank, when any rank failed or the global target count is zero.
+        OutOfMemory: on every rank, when a batch did not fit on some rank.
+        StepError: on every rank, when any rank failed otherwise or the global target count is
+            zero.
     """
     was_training = model.training
     model.eval()
     names = sorted(set(sources.values())) if sources else []
     # loss, targets, context; then loss, targets of each of ``names``
     totals = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=info.device)
-    local_error = ""
+    local_error = memory_error = ""
     try:
         maybe_inject("validation", info.rank)
         it = iter(loader)
@@ -86,9 +91,15 @@ def run_validation(
                     totals[3 + 2 * source] += loss.double()
                     totals[4 + 2 * source] += mb.targets
     except Exception as exc:  # reported to every rank below, never raised alone
-        local_error = f"{type(exc).__name__}: {exc}"
+        if is_out_of_memory(exc):
+            memory_error = f"{type(exc).__name__}: {exc}"
+        else:
+            local_error = f"{type(exc).__name__}: {exc}"
     finally:
         model.train(was_training)
+    memory_errors = collect_rank_errors(info, memory_error)
+    if memory_errors:
+        raise memory.error("in validation", memory_errors, validation=True)
     errors = collect_rank_errors(info, local_error)
     if errors:
         raise StepError("validation failed: " + " | ".join(errors))
