@@ -1,7 +1,7 @@
 """An allocation failure is named as one, with the run's own keys that make the step fit.
 
-The end-to-end tests make the failure real: the trainer runs in a process whose address space
-is capped (RLIMIT_AS), and the full-logits reference head of 256 x 256-token micro-batches asks
+The end-to-end tests make the failure real: the trainer runs in a process whose data segment
+is capped (RLIMIT_DATA), and the full-logits reference head of 256 x 256-token micro-batches asks
 torch's CPU allocator for 8.4 GB at once (the tiny model, its data and every other buffer fit
 in the cap). A CUDA OOM takes the same paths: ``torch.OutOfMemoryError`` is recognised by type.
 """
@@ -17,8 +17,10 @@ import torch
 from nedolm.train.config import SFTConfig, TrainConfig, ValidationConfig
 from nedolm.train.memory import CPU_ALLOCATOR_FAILURE, is_out_of_memory, memory_advice
 
-ADDRESS_SPACE_BYTES = 5 * 2**30
-"""Room for the tiny trainer (about 1 GiB mapped at start), not for 256 x 256 x 32k logits."""
+DATA_BYTES = 5 * 2**30
+"""Room for the tiny trainer's heap (under 1 GiB at start, with a CUDA build of torch too), not
+for 256 x 256 x 32k float32 logits. RLIMIT_DATA, not RLIMIT_AS: a CUDA build maps 5 GB of
+libraries at import, which count in the address space but not in the data segment."""
 HUGE_MICRO_BATCH = {"micro_batch_size": 256, "grad_accum_steps": 1, "max_steps": 1}
 FULL_LOGITS = {"assistant_only_head": False}
 
@@ -81,7 +83,7 @@ def test_the_advice_names_only_keys_that_would_shrink_the_step() -> None:
 
 
 def _cap() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
+    resource.setrlimit(resource.RLIMIT_DATA, (DATA_BYTES, DATA_BYTES))
 
 
 CAPPED = {0: _cap}
