@@ -91,10 +91,11 @@ def run_validation(
                     totals[3 + 2 * source] += loss.double()
                     totals[4 + 2 * source] += mb.targets
     except Exception as exc:  # reported to every rank below, never raised alone
+        failure = f"{type(exc).__name__}: {exc}"
         if is_out_of_memory(exc):
-            memory_error = f"{type(exc).__name__}: {exc}"
+            memory_error = failure
         else:
-            local_error = f"{type(exc).__name__}: {exc}"
+            local_error = failure
     finally:
         model.train(was_training)
     memory_errors = collect_rank_errors(info, memory_error)
