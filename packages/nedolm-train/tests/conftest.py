@@ -111,8 +111,8 @@ def write_config(
 ) -> Path:
     """An SFT YAML: BASE_SETTINGS with per-section overrides."""
     doc: dict[str, Any] = {**sft_paths(run_dir, base_run, corpus)}
-    for section, values in BASE_SETTINGS.items():
-        doc[section] = {**values, **sections.get(section, {})}
+    for section in {**BASE_SETTINGS, **sections}:
+        doc[section] = {**BASE_SETTINGS.get(section, {}), **sections.get(section, {})}
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")
     return path
 

@@ -13,6 +13,7 @@ from nedolm.train.base import model_config
 from nedolm.train.config import (
     ConfigError,
     OptimConfig,
+    ProfileConfig,
     SFTConfig,
     TrainConfig,
     ValidationConfig,
@@ -89,6 +90,7 @@ def test_example_sft_documents_every_default() -> None:
         ("optim", OptimConfig()),
         ("train", TrainConfig()),
         ("validation", ValidationConfig()),
+        ("profile", ProfileConfig()),
     ):
         documented = msgspec.convert(raw[section], type(struct), strict=False)
         assert documented == struct, section

@@ -13,27 +13,10 @@ from nedolm.data.format import read_special_tokens
 from nedolm.data.loader import build_sft_loader
 from nedolm.dist import DistInfo
 from nedolm.model import build_model, preset
+from nedolm.train.profiling import scalar_reads
 from nedolm.train.step import LossOptions, LossWindow, StepSettings, train_step
 
 STEPS = 3
-
-
-def scalar_reads(prof: profile) -> list:
-    """``aten::_local_scalar_dense`` calls the profiler saw (every ``.item()``, ``int()``,
-    ``bool()`` of a tensor, also one made inside another op's kernel), which on a GPU wait for
-    the device to drain its queue. Those inside ``Optimizer.step`` are left out: CPU's fused AdamW
-    reads each ``step`` counter, CUDA's keeps them on the device."""
-
-    def in_optimizer(event) -> bool:
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("Optimizer.step"):
-                return True
-            parent = parent.cpu_parent
-        return False
-
-    reads = [e for e in prof.events() if e.name == "aten::_local_scalar_dense"]
-    return [e for e in reads if not in_optimizer(e)]
 
 
 def tiny_step(corpus: Path, harness, dispatch: str = "masked"):
@@ -67,7 +50,7 @@ def test_an_optimizer_step_reads_a_scalar_from_the_device_at_most_once(
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for step in range(1, 1 + STEPS):
             train_step(model, params, optimizer, batches, settings, step=step)
-    reads = len(scalar_reads(prof))
+    reads = len(scalar_reads(prof.events()))
     assert reads <= STEPS, f"{reads} scalar reads in {STEPS} optimizer steps"
 
 
@@ -86,7 +69,7 @@ def test_a_logged_step_reads_its_loss_window_before_queueing_adamw(corpus: Path,
         result = train_step(model, params, optimizer, batches, settings, 3, loss_window=window)
     losses.append(float(result.loss_sum))
     assert window.value == pytest.approx(sum(losses), rel=1e-6)
-    reads = scalar_reads(prof)
+    reads = scalar_reads(prof.events())
     assert len(reads) == 2  # the gradient norm and the window
     optimizer = [e for e in prof.events() if e.name.startswith("Optimizer.step")]
     assert max(e.time_range.start for e in reads) < optimizer[0].time_range.start

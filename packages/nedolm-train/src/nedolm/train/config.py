@@ -227,6 +227,20 @@ class ValidationConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             _require(self.num_workers >= 0, "validation.num_workers", ">= 0", self.num_workers)
 
 
+class ProfileConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A torch.profiler window of optimizer steps: every rank writes a trace, its top ops and a
+    summary (wall vs device-busy time per step) under ``run_dir/profile/steps-A-B/``."""
+
+    start_step: int = 0
+    """First optimizer step profiled (1-based, as the log counts them); 0 = off."""
+    steps: int = 3
+    """Steps in the window (it ends at the run's last step at the latest)."""
+
+    def __post_init__(self) -> None:
+        _require(self.start_step >= 0, "profile.start_step", ">= 0 (0: off)", self.start_step)
+        _require(self.steps >= 1, "profile.steps", ">= 1", self.steps)
+
+
 class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One SFT run: where everything lives and the recipe."""
 
@@ -246,6 +260,7 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     base_morph_expert_dim: int = 0
     """With base_hf_dir: add morph experts of this width (zero output at step 0); 0 = dense."""
     validation: ValidationConfig = msgspec.field(default_factory=ValidationConfig)
+    profile: ProfileConfig = msgspec.field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         run_base = (self.base_config, self.base_run_dir, self.base_checkpoint)

@@ -41,6 +41,7 @@ from nedolm.train.flops import flops_per_token, peak_bf16_flops
 from nedolm.train.metrics import MetricsWriter, format_eta
 from nedolm.train.optim import lr_at_step, set_lr
 from nedolm.train.parallel import is_sharded
+from nedolm.train.profiling import StepProfiler, profile_window
 from nedolm.train.setup import Run
 from nedolm.train.sharded import ShardedSave, background_save_group, full_model_state
 from nedolm.train.signals import StopRequest
@@ -78,6 +79,14 @@ class Trainer:
         self.sharded_save: ShardedSave | None = None  # every rank's, under FSDP
         self.pending: tuple[int, float] | None = None
         """(step, training pause in s) of the background write not yet collected, every rank."""
+        profile = run.cfg.profile
+        self.profiler = StepProfiler(
+            profile_window(profile.start_step, profile.steps, run.max_steps),
+            run.cfg.run_dir,
+            run.info.rank,
+            run.info.device,
+            resumed_at=run.state.progress.step,
+        )
         self._reset_log_window()
 
     def train(self) -> bool:
@@ -90,6 +99,23 @@ class Trainer:
         run.model.train()
         self._reset_log_window()
         self.stop.training = True  # a stop from now on is answered with a checkpoint
+        try:
+            if self._train_steps():
+                return True
+        finally:
+            with self._untimed():
+                self.profiler.close()  # a window cut short is written with the steps it holds
+        log.info(
+            "finished at step %d: %d assistant tokens, %.2f h",
+            progress.step,
+            progress.assistant_tokens_seen,
+            (time.monotonic() - self.job_start) / 3600,
+        )
+        return False
+
+    def _train_steps(self) -> bool:
+        """The optimizer steps; True when they end on an agreed stop request."""
+        run, progress = self.run, self.state.progress
         for step in range(progress.step, run.max_steps):
             lr = lr_at_step(step, run.cfg.optim, progress.schedule_steps or run.max_steps)
             set_lr(self.state.optimizer, lr)
@@ -98,6 +124,8 @@ class Trainer:
                 self.first_step + 1,
                 run.max_steps,
             )
+            with self._untimed():  # starting the profiler is not the step's time
+                self.profiler.before_step(done)
             result = train_step(
                 run.model,
                 self.params,
@@ -109,6 +137,8 @@ class Trainer:
                 loss_window=self.loss_window,
             )
             self._account(done, result)
+            with self._untimed():  # nor is writing its files
+                self.profiler.after_step(done, last=result.stop)
             if run.audit is not None:
                 run.audit.write_step(done, result.global_targets)
             if self.loss_window.read_now:
@@ -120,12 +150,6 @@ class Trainer:
             if self.control(done, stop_agreed=result.stop):
                 log.warning("stop requested (%s): stopped at step %d", self.stop.describe(), done)
                 return True
-        log.info(
-            "finished at step %d: %d assistant tokens, %.2f h",
-            progress.step,
-            progress.assistant_tokens_seen,
-            (time.monotonic() - self.job_start) / 3600,
-        )
         return False
 
     def _account(self, done: int, result: StepResult) -> None:

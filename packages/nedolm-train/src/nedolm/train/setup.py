@@ -148,6 +148,7 @@ def prepare_run(
     data = _prepare_data(cfg, info, run_config, model_cfg, seq_len)
     steps_per_epoch = _steps_per_epoch(cfg, info, data.stats)
     epochs_steps = max(1, math.ceil(cfg.train.num_epochs * steps_per_epoch))
+    _check_profile_window(cfg, cfg.train.max_steps or epochs_steps)
     max_steps = smoke_steps or cfg.train.max_steps or epochs_steps
     _log_schedule(cfg, info, max_steps, steps_per_epoch)
     recipe = _recipe(cfg, model_cfg, max_steps)
@@ -283,6 +284,17 @@ def _check_runtime(
         )
     # Packed rows are only correct with segment isolation; refuse a backend that cannot run.
     resolve_attn_impl(model_cfg.attn_impl, device)
+
+
+def _check_profile_window(cfg: SFTConfig, max_steps: int) -> None:
+    """Refuse a profile window the run never reaches: a misjudged step count, not a silent
+    run without the profile that was asked for (a ``--smoke`` run is not checked)."""
+    start = cfg.profile.start_step
+    if start > max_steps:
+        raise ValueError(
+            f"profile.start_step={start} is past the run's last step, {max_steps}: profile a "
+            "step the run reaches (0: no profile)"
+        )
 
 
 def _val_ids(cfg: SFTConfig, dataset_contract: dict[str, Any]) -> list[int]:
