@@ -8,7 +8,8 @@ c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample a
    tokens/s and MFU from its metrics.jsonl, the first step after the compile warm-up, and the
    ratio to the model step alone: the same compiled model, the same real micro-batches already
    on the device, no loader, collective or logging. A torch.profiler table of the top-15 CUDA
-   kernels of those model steps.
+   kernels of those model steps, and where a step's time goes (wall, device busy, host waits,
+   scalar reads) in them and in the trainer's own profile of 3 more steps of (c)'s run.
 d. transformers' LlamaForCausalLM of the same dense shape (no morph experts), eager sdpa, bf16
    autocast, full-logits loss, the same tokens per step: what an untuned TRL user runs.
 e. `nedolm-sft launch --nproc-per-node 1` with ddp and with fsdp (NCCL on a GPU), a few eager
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import json
 import os
 import shutil
 import statistics
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from nedolm.train.profiling import ProfileSummary, summarize
 from nedolm.train.testing import sft_paths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +104,14 @@ def prepare(plan: Plan, root: Path) -> tuple[Path, Path]:
     return corpus, base
 
 
-def write_config(path: Path, plan: Plan, corpus: Path, base: Path, **train: object) -> Path:
+def write_config(
+    path: Path,
+    plan: Plan,
+    corpus: Path,
+    base: Path,
+    profile: dict[str, int] | None = None,
+    **train: object,
+) -> Path:
     doc = {
         **sft_paths(path.with_suffix(""), base, corpus),
         "optim": {"lr": 1e-5, "warmup_steps": 2},
@@ -119,9 +129,20 @@ def write_config(path: Path, plan: Plan, corpus: Path, base: Path, **train: obje
             **train,
         },
         "validation": {"enabled": False},
+        "profile": profile or {},
     }
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")
     return path
+
+
+PROFILED_STEPS = 3
+
+
+def profiled(plan: Plan) -> dict:
+    """(c)'s run goes PROFILED_STEPS past the measured steps, which its profile window takes
+    (the trainer's own ``profile.start_step``): profiled steps run slower and are not timed."""
+    window = {"start_step": plan.steps + 1, "steps": PROFILED_STEPS}
+    return {"profile": window, "max_steps": plan.steps + PROFILED_STEPS}
 
 
 def step_records(run_dir: Path) -> list[dict]:
@@ -132,7 +153,8 @@ def step_records(run_dir: Path) -> list[dict]:
 
 
 def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
-    """(c): the real run; returns its steady tokens/s. ``keep`` gets its log and metrics."""
+    """(c): the real run; returns its steady tokens/s. ``keep`` gets its log, metrics and
+    profile."""
     started = time.monotonic()
     try:
         sft("run", str(config), timeout=420)
@@ -142,8 +164,10 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
             for name in ("train.log", "metrics.jsonl"):
                 if (config.with_suffix("") / name).exists():
                     shutil.copy(config.with_suffix("") / name, keep / name)
+            if (config.with_suffix("") / "profile").is_dir():  # the trace, for Perfetto
+                shutil.copytree(config.with_suffix("") / "profile", keep / "profile")
     wall = time.monotonic() - started
-    records = step_records(config.with_suffix(""))
+    records = [r for r in step_records(config.with_suffix("")) if r["step"] <= plan.steps]
     steady = records[len(records) // 3 :] or records
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfu = [r["mfu"] for r in steady if "mfu" in r]
@@ -183,7 +207,9 @@ def guarded_trainer_section(
         if not args.dispatch:
             return 0.0, config, True
     print(f"(c) again with the preset's morph dispatch instead of {args.dispatch}:\n")
-    fallback = write_config(config.with_name("run-preset-dispatch.yaml"), plan, corpus, base)
+    fallback = write_config(
+        config.with_name("run-preset-dispatch.yaml"), plan, corpus, base, **profiled(plan)
+    )
     try:
         return trainer_section(plan, fallback, args.keep), fallback, True
     except (RuntimeError, subprocess.TimeoutExpired):
@@ -255,7 +281,7 @@ def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
     print("| trainer tokens/s | model step tokens/s | trainer / model step |")
     print("|---|---|---|")
     print(f"| {trainer_tps:,.0f} | {model_tps:,.0f} | {trainer_tps / model_tps:.2f} |\n")
-    profile_table(plan, step, micro[1:4])
+    profile_table(plan, config, step, micro[1:4])
 
 
 def median_tokens_per_s(plan: Plan, step, micro) -> float:
@@ -271,8 +297,9 @@ def median_tokens_per_s(plan: Plan, step, micro) -> float:
     return micro[0].inputs.numel() / statistics.median(times)
 
 
-def profile_table(plan: Plan, step, micro) -> None:
-    from torch.autograd import DeviceType
+def profile_table(plan: Plan, config: Path, step, micro) -> None:
+    """The top-15 kernels (CPU ops on a CPU) of model steps, and where a step's time goes in
+    them and in the trainer's own profile window of (c)'s run (same per-step summary)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = plan.device == "cuda"
@@ -282,54 +309,38 @@ def profile_table(plan: Plan, step, micro) -> None:
         for mb in micro:
             step(mb)
         _sync(plan.device)
-        wall_ms = (time.perf_counter() - started) * 1e3 / len(micro)
+        wall_s = time.perf_counter() - started
     what = (
         "CUDA kernels" if on_cuda else "CPU ops (no CUDA device: the CUDA kernel table needs one)"
     )
     print(f"### c. torch.profiler: top-15 {what} of {len(micro)} model steps\n")
-    sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    sort = "self_device_time_total" if on_cuda else "self_cpu_time_total"
     print("```")
-    averages = prof.key_averages()
-    print(averages.table(sort_by=sort, row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
     print("```\n")
-    if on_cuda:  # is the step's time in kernels, or between them?
-        kernels = [e for e in averages if e.device_type == DeviceType.CUDA]
-        kernel_us = sorted((e.self_device_time_total for e in kernels), reverse=True)
-        print(
-            f"Per step: {sum(kernel_us) / 1e3 / len(micro):.1f} ms in CUDA kernels (all "
-            f"{len(kernel_us)} kinds; the top 15: {sum(kernel_us[:15]) / 1e3 / len(micro):.1f} "
-            f"ms), {wall_ms:.1f} ms wall under the profiler.\n"
-        )
-    print(host_side(averages, len(micro)) + "\n")
+    rows = [(f"model step alone, {len(micro)} steps", summarize(prof, 1, len(micro), wall_s))]
+    first, last = plan.steps + 1, plan.steps + PROFILED_STEPS
+    window = config.with_suffix("") / f"profile/steps-{first}-{last}/rank0.summary.json"
+    if window.exists():  # (c) ran: the trainer's own profile of its steps
+        rows.insert(0, (f"trainer, steps {first}-{last}", ProfileSummary(**_fields(window))))
+    print("### c. where a step's time goes (per step, under the profiler)\n")
+    print("| what | wall ms | device busy ms | busy / wall | device ops | host waits ms "
+          "| scalar reads |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, summary in rows:
+        if summary.device_busy_ms is None:
+            device = "n/a (CPU) | | |"
+        else:
+            device = (f"{summary.device_busy_ms:.1f} | {summary.device_busy_ms / summary.wall_ms:.0%} "
+                      f"| {summary.device_ops:.0f} | {summary.host_wait_ms:.1f}")  # fmt: skip
+        print(f"| {name} | {summary.wall_ms:.1f} | {device} | {summary.scalar_reads:.1f} |")
+    print()
 
 
-HOST_WAITS = (
-    "cudaStreamSynchronize",
-    "cudaDeviceSynchronize",
-    "cudaEventSynchronize",
-    "cudaMemcpy",
-    "aten::_local_scalar_dense",
-)
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-
-
-def host_side(averages, steps: int) -> str:
-    """What the host did per step besides queueing: its waits on the device (the timing's own
-    synchronize after the last step included) and its kernel launches, from the CUDA runtime
-    calls the profiler recorded (none on a CPU)."""
-    by_name = {e.key: e for e in averages}
-    waits = [
-        f"{name} x{by_name[name].count / steps:.1f} ({by_name[name].cpu_time_total / 1e3 / steps:.1f} ms)"
-        for name in HOST_WAITS
-        if name in by_name
-    ]
-    launches = [by_name[name] for name in LAUNCHES if name in by_name]
-    launch_count = sum(e.count for e in launches) / steps
-    launch_ms = sum(e.cpu_time_total for e in launches) / 1e3 / steps
-    return (
-        f"Host per step: waits on the device: {', '.join(waits) or 'none recorded'}; "
-        f"{launch_count:.0f} kernel launches taking {launch_ms:.1f} ms of CPU."
-    )
+def _fields(summary_json: Path) -> dict:
+    """A ``rankR.summary.json``'s ProfileSummary fields (the file adds the rank)."""
+    fields = json.loads(summary_json.read_text(encoding="utf-8"))
+    return {key: fields[key] for key in ProfileSummary.__dataclass_fields__}
 
 
 def llama_section(plan: Plan, config: Path, trainer_tps: float) -> None:
@@ -431,7 +442,7 @@ def main() -> None:
             f"{dispatch_text} morph dispatch\n"
         )
         dispatch = {"morph_dispatch": args.dispatch} if args.dispatch else {}
-        config = write_config(root / "run.yaml", plan, corpus, base, **dispatch)
+        config = write_config(root / "run.yaml", plan, corpus, base, **profiled(plan), **dispatch)
         trainer_tps, failed = 0.0, False
         if not args.launch_only:
             trainer_tps, config, failed = guarded_trainer_section(plan, config, args, corpus, base)

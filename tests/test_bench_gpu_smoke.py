@@ -17,6 +17,7 @@ SECTIONS = (
     "## c. `nedolm-sft run`, tiny",
     "### c. trainer vs the model step alone",
     "### c. torch.profiler: top-15 CPU ops (no CUDA device",
+    "### c. where a step's time goes",
     "## d. transformers LlamaForCausalLM",
     "## e. `nedolm-sft launch --nproc-per-node 1`, gloo (CPU)",
 )
@@ -53,3 +54,9 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     assert chosen, text
     assert re.search(rf"^# The product: .*, {chosen[1]} morph dispatch$", text, re.M), text
     assert re.search(r"^\| fsdp \| ok, 1 steps \|", text, re.M), text
+    # The trainer's own profile window (3 steps after the measured ones) and the model step's.
+    cpu_row = rf"({number}) \| n/a \(CPU\) \| \| \| \| ({number}) \|$"
+    trainer = re.search(rf"^\| trainer, steps 4-6 \| {cpu_row}", text, re.M)
+    alone = re.search(rf"^\| model step alone, 3 steps \| {cpu_row}", text, re.M)
+    assert trainer and alone, text
+    assert float(trainer[2]) >= 1.0  # the gradient norm, read every step
