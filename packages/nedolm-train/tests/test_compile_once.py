@@ -25,12 +25,14 @@ pytestmark = [
 
 
 def test_thirty_compiled_steps_have_no_graph_break_and_no_recompile(make_config):
-    """Validation passes in between (eval mode, rows sliced by source) run the blocks eagerly."""
+    """Validation passes in between (eval mode, rows sliced by source) run the blocks eagerly;
+    steps 12-14 run under the profiler (``profile.start_step``), which recompiles nothing."""
     from torch._dynamo.utils import counters
 
     config = make_config(
         train={"compile": True, "max_steps": STEPS, "grad_accum_steps": 1, "ckpt_interval": 1000},
         validation={"at_start": True, "interval": 10},
+        profile={"start_step": 12, "steps": 3},
     )
     torch._dynamo.reset()
     counters.clear()
@@ -47,6 +49,7 @@ def test_thirty_compiled_steps_have_no_graph_break_and_no_recompile(make_config)
     log = (run_dir / "train.log").read_text(encoding="utf-8")
     assert "1 frame(s) compiled, 0 graph break(s)" in log
     assert "torch.compile disabled" not in log and "recompiled" not in log
+    assert (run_dir / "profile" / "steps-12-14" / "rank0.summary.json").is_file()
 
 
 LONGEST_SEEN: list[int] = []
