@@ -187,8 +187,8 @@ class Trainer:
             "assistant_tokens_seen": self.state.progress.assistant_tokens_seen,
             "hours": (time.monotonic() - self.job_start) / 3600,
         }
-        if run.settings.loss.use_amp:
-            record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if run.info.device.type == "cuda":
+            record["peak_mem_gib"] = _window_peak_memory_gib(run.info.device)
         if self.peak_flops:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak_flops
         eta = format_eta(sec_per_step * (run.max_steps - done))
@@ -197,8 +197,9 @@ class Trainer:
             assert self.writer is not None  # rank 0 owns the writer
             self.writer.write(record)
             mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+            memory = f" mem {record['peak_mem_gib']:.1f}GiB" if "peak_mem_gib" in record else ""
             log.info(
-                "step %d/%d epoch %.2f loss %.4f lr %.3e gn %.3f %.0f tok/s%s eta %s",
+                "step %d/%d epoch %.2f loss %.4f lr %.3e gn %.3f %.0f tok/s%s%s eta %s",
                 done,
                 run.max_steps,
                 record["epoch"],
@@ -207,6 +208,7 @@ class Trainer:
                 record["grad_norm"],
                 record["tokens_per_s"],
                 mfu,
+                memory,
                 eta,
             )
 
@@ -471,6 +473,14 @@ def _write_named(write: Callable[[dict], None], payload: dict, path: Path) -> No
             f"cannot write checkpoint {path}: {type(exc).__name__}: {exc}; "
             "the previous checkpoints are intact"
         ) from exc
+
+
+def _window_peak_memory_gib(device: torch.device) -> float:
+    """This rank's peak of allocated device memory since the previous log line (the peak is
+    reset here), so a line shows what its steps need, not the compile warm-up's high mark."""
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def _cluster_peak_flops(device: torch.device, world_size: int) -> float | None:
