@@ -164,8 +164,10 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
             for name in ("train.log", "metrics.jsonl"):
                 if (config.with_suffix("") / name).exists():
                     shutil.copy(config.with_suffix("") / name, keep / name)
-            if (config.with_suffix("") / "profile").is_dir():  # the trace, for Perfetto
-                shutil.copytree(config.with_suffix("") / "profile", keep / "profile")
+            # The profile window's files (the trace opens in Perfetto), flat: a device
+            # machine's $OUT returns files at most two folders down.
+            for path in sorted((config.with_suffix("") / "profile").glob("*/rank0.*")):
+                shutil.copy(path, keep / f"profile-{path.name}")
     wall = time.monotonic() - started
     records = [r for r in step_records(config.with_suffix("")) if r["step"] <= plan.steps]
     steady = records[len(records) // 3 :] or records
