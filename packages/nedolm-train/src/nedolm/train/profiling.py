@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 from torch.autograd import DeviceType
@@ -130,8 +131,8 @@ class StepProfiler:
 
     The loop calls ``before_step(done)`` and ``after_step(done)`` around each step and
     ``close()`` when it leaves, however it leaves: a window cut short by a stop request is written
-    with the steps it holds, before the stop's checkpoint. A failure to write (a full disk) is logged, never raised: a
-    diagnostic must not end the run it observes.
+    with the steps it holds, before the stop's checkpoint. A failure to write (a full disk) is
+    logged, never raised: a diagnostic must not end the run it observes.
     """
 
     def __init__(
@@ -153,8 +154,9 @@ class StepProfiler:
         self.summary: ProfileSummary | None = None
         if window is not None and window[0] <= resumed_at:
             log.info(
-                "profile: steps %d-%d ran before this resume at step %d; nothing is profiled",
-                *window,
+                "profile: its window starts at step %d, before this resume at step %d; "
+                "nothing is profiled",
+                window[0],
                 resumed_at,
             )
             self.window = None
@@ -201,7 +203,7 @@ class StepProfiler:
             log.info("profile (rank 0) of %s; written to %s", self.summary.describe(), out)
 
 
-def write_profile(prof: profile, summary: ProfileSummary, out: Path, rank: int) -> Path:
+def write_profile(prof: profile, summary: ProfileSummary, out: Path, rank: int) -> None:
     """``rank{R}.trace.json.gz``, ``rank{R}.ops.txt`` and ``rank{R}.summary.json`` in ``out``,
     each whole or absent."""
     by_device = summary.device_busy_ms is not None
@@ -221,9 +223,8 @@ def write_profile(prof: profile, summary: ProfileSummary, out: Path, rank: int) 
             )
     summary_json = json.dumps({**asdict(summary), "rank": rank}, indent=1)
     atomic_write_bytes(out / f"rank{rank}.summary.json", summary_json.encode())
-    return out
 
 
-def _gzip_into(source, handle) -> None:
+def _gzip_into(source: IO[bytes], handle: IO[bytes]) -> None:
     with gzip.GzipFile(fileobj=handle, mode="wb", mtime=0) as packed:
         shutil.copyfileobj(source, packed)

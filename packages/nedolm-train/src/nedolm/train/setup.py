@@ -287,8 +287,9 @@ def _check_runtime(
 
 
 def _check_profile_window(cfg: SFTConfig, max_steps: int) -> None:
-    """Refuse a profile window the run never reaches: a misjudged step count, not a silent
-    run without the profile that was asked for (a ``--smoke`` run is not checked)."""
+    """Refuse a profile window the configured run never reaches: a misjudged step count, not a
+    silent run without the profile asked for. ``max_steps`` is the configured run's, so a
+    ``--smoke-steps`` check of the config is not refused for a window beyond its few steps."""
     start = cfg.profile.start_step
     if start > max_steps:
         raise ValueError(
