@@ -14,7 +14,7 @@ import torch
 
 from nedolm.train.config import ConfigError, load_sft_config
 from nedolm.train.profiling import StepProfiler, busy_time
-from nedolm.train.trainer import run
+from nedolm.train.trainer import run, smoke_run_dir
 
 STEPS = 6
 
@@ -76,6 +76,14 @@ def test_a_window_past_the_last_step_is_refused_before_training(make_config) -> 
     with pytest.raises(ValueError, match=r"profile.start_step=4 is past the run's last step, 3"):
         run(load_sft_config(config), compile=False)
     assert not list(config.with_suffix("").glob("checkpoints/*"))
+
+
+def test_a_smoke_run_checks_the_config_without_its_later_window(make_config) -> None:
+    config = make_config(train={"max_steps": 20}, profile={"start_step": 15})
+    run(load_sft_config(config), compile=False, smoke_steps=2)
+    smoke_dir = smoke_run_dir(config.with_suffix(""))
+    assert "finished at step 2" in (smoke_dir / "train.log").read_text(encoding="utf-8")
+    assert not (smoke_dir / "profile").exists()
 
 
 @pytest.mark.parametrize(("key", "value"), [("start_step", -1), ("steps", 0)])
