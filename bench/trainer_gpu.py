@@ -320,7 +320,9 @@ def profile_table(plan: Plan, config: Path, step, micro) -> None:
     print("```")
     print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
     print("```\n")
-    rows = [(f"model step alone, {len(micro)} steps", summarize(prof, 1, len(micro), wall_s))]
+    rows = [
+        (f"model step alone, {len(micro)} steps", summarize(prof.events(), 1, len(micro), wall_s))
+    ]
     first, last = plan.steps + 1, plan.steps + PROFILED_STEPS
     window = config.with_suffix("") / f"profile/steps-{first}-{last}/rank0.summary.json"
     if window.exists():  # (c) ran: the trainer's own profile of its steps

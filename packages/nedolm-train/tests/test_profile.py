@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
 from nedolm.train.config import ConfigError, load_sft_config
-from nedolm.train.profiling import StepProfiler, busy_time
+from nedolm.train.profiling import ProfileSummary, StepProfiler, busy_time, summarize
 from nedolm.train.trainer import run, smoke_run_dir
 
 STEPS = 6
@@ -28,6 +30,30 @@ def test_busy_time_is_the_length_of_the_union_of_intervals() -> None:
             intervals.append((start, start + rng.randint(0, 15)))
         covered = {t for start, end in intervals for t in range(start, end)}  # unit cells
         assert busy_time(intervals) == len(covered)
+
+
+def test_the_device_figures_of_a_summary() -> None:
+    """The CUDA branch, on the profiler's own event records as a GPU profile holds them: kernels
+    on two streams overlap, the host waits in cudaStreamSynchronize and reads one scalar."""
+
+    def event(name: str, start: float, end: float, device: DeviceType) -> FunctionEvent:
+        return FunctionEvent(
+            id=0, name=name, thread=0, start_us=start, end_us=end, device_type=device
+        )
+
+    kernels = [(0, 100), (50, 150), (200, 260), (400, 440)]  # union: 150 + 60 + 40 us
+    events = [event(f"kernel{i}", *span, DeviceType.CUDA) for i, span in enumerate(kernels)]
+    events += [
+        event("cudaStreamSynchronize", 100, 300, DeviceType.CPU),
+        event("cudaLaunchKernel", 0, 5, DeviceType.CPU),
+        event("aten::_local_scalar_dense", 290, 300, DeviceType.CPU),
+    ]
+    summary = summarize(events, 3, 4, wall_s=0.002)
+    assert summary == ProfileSummary(3, 4, 1.0, 0.5, 0.125, 2.0, 0.1)
+    assert summary.describe() == (
+        "steps 3-4: 1.0 ms per step, device busy 0.1 ms (12%) in 2 device ops, host waiting on "
+        "it 0.1 ms, 0.5 scalar reads (.item())"
+    )
 
 
 def profile_files(run_dir: Path, first: int, last: int, rank: int = 0) -> dict:

@@ -102,10 +102,13 @@ def scalar_reads(events: Iterable[FunctionEvent]) -> list[FunctionEvent]:
     return [e for e in events if e.name == SCALAR_READ and not in_optimizer(e)]
 
 
-def summarize(prof: profile, first_step: int, last_step: int, wall_s: float) -> ProfileSummary:
-    """The per-step figures of a finished profile of steps ``first_step..last_step``."""
+def summarize(
+    events: Iterable[FunctionEvent], first_step: int, last_step: int, wall_s: float
+) -> ProfileSummary:
+    """The per-step figures of a finished profile's ``events()``, of steps
+    ``first_step..last_step`` in ``wall_s`` seconds."""
     steps = last_step - first_step + 1
-    events = prof.events()
+    events = list(events)
     device = [e for e in events if e.device_type != DeviceType.CPU]
     on_host = [e for e in events if e.device_type == DeviceType.CPU]
     per_step = (first_step, last_step, wall_s * 1e3 / steps, len(scalar_reads(on_host)) / steps)
@@ -193,7 +196,7 @@ class StepProfiler:
             prof.stop()
             if self._last_done < self._first:
                 return  # left inside its first step: no whole step to show
-            self.summary = summarize(prof, self._first, self._last_done, wall_s)
+            self.summary = summarize(prof.events(), self._first, self._last_done, wall_s)
             out = self.run_dir / PROFILE_DIR / f"steps-{self._first}-{self._last_done}"
             write_profile(prof, self.summary, out, self.rank)
         except Exception as exc:
