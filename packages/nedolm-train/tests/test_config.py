@@ -99,6 +99,15 @@ def test_example_sft_documents_every_default() -> None:
     assert isinstance(load_sft_config(EXAMPLES / "sft.yaml"), SFTConfig)
 
 
+def test_cluster_example_loads_with_the_recipe_it_documents() -> None:
+    """The 8xH200 recipe users copy: valid, and the batch its throughput comment works out."""
+    cfg = load_sft_config(EXAMPLES / "sft-0.8b-8xh200.yaml")
+    train = cfg.train
+    assert (train.seq_len, train.micro_batch_size, train.grad_accum_steps) == (4096, 4, 4)
+    assert 8 * train.micro_batch_size * train.grad_accum_steps * train.seq_len == 524_288
+    assert train.compile and train.parallelism == "ddp"
+
+
 def test_example_base_is_a_valid_model_config() -> None:
     run_config = load_run_config(EXAMPLES / "base.yaml")
     cfg = model_config(run_config, morph_dispatch="sparse")
