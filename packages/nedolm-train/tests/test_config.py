@@ -101,11 +101,12 @@ def test_example_sft_documents_every_default() -> None:
 
 def test_cluster_example_loads_with_the_recipe_it_documents() -> None:
     """The 8xH200 recipe users copy: valid, and the batch its throughput comment works out."""
-    cfg = load_sft_config(EXAMPLES / "sft-0.8b-8xh200.yaml")
-    train = cfg.train
+    path = EXAMPLES / "sft-0.8b-8xh200.yaml"
+    train = load_sft_config(path).train
     assert (train.seq_len, train.micro_batch_size, train.grad_accum_steps) == (4096, 4, 4)
-    assert 8 * train.micro_batch_size * train.grad_accum_steps * train.seq_len == 524_288
     assert train.compile and train.parallelism == "ddp"
+    step_tokens = 8 * train.micro_batch_size * train.grad_accum_steps * train.seq_len
+    assert f"step of {step_tokens:,} tokens" in path.read_text(encoding="utf-8")
 
 
 def test_example_base_is_a_valid_model_config() -> None:
