@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import msgspec
 import pytest
 import yaml
 
 from nedolm.model import ModelConfig
+from nedolm.model.config import ATTN_IMPLS
 from nedolm.train.base import model_config
 from nedolm.train.config import (
     ConfigError,
@@ -62,6 +64,10 @@ def test_relative_paths_resolve_against_the_yaml_dir(tmp_path: Path) -> None:
             MINIMAL.replace("train: {}", "train: {morph_dispatch: dense}"),
             "`train.morph_dispatch`: 'dense' is not one of: grouped, masked, sparse",
         ),
+        (
+            MINIMAL.replace("train: {}", "train: {attn_impl: xformers}"),
+            "`train.attn_impl`: 'xformers' is not one of: auto, flash, flex, sdpa, torch_varlen",
+        ),
         ("- a\n- b\n", "expected a mapping of keys, got list"),
         (MINIMAL.replace("data_dir: d\n", ""), "missing required field `data_dir`"),
         ("run_dir: [\n", "not valid YAML"),
@@ -111,9 +117,16 @@ def test_cluster_example_loads_with_the_recipe_it_documents() -> None:
 
 def test_example_base_is_a_valid_model_config() -> None:
     run_config = load_run_config(EXAMPLES / "base.yaml")
-    cfg = model_config(run_config, morph_dispatch="sparse")
+    cfg = model_config(run_config, morph_dispatch="sparse", attn_impl="sdpa")
     assert isinstance(cfg, ModelConfig) and cfg.morph_dispatch == "sparse"
-    assert model_config(run_config, morph_dispatch=None).morph_dispatch == "masked"
+    assert cfg.attn_impl == "sdpa"
+    unset = model_config(run_config, morph_dispatch=None, attn_impl=None)
+    assert (unset.morph_dispatch, unset.attn_impl) == ("masked", "auto")
+
+
+def test_train_attn_impl_offers_every_backend_the_model_has() -> None:
+    literal, none = get_args(get_type_hints(TrainConfig)["attn_impl"])  # Literal[...] | None
+    assert set(get_args(literal)) == set(ATTN_IMPLS) and none is type(None)
 
 
 def test_optim_and_train_sections_may_be_omitted(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import yaml
 
 from nedolm.data.contract import aggregate_sha256, hash_entries
 from nedolm.data.format import read_array, write_array
+from nedolm.train.checkpoint import load_checkpoint
 from nedolm.train.config import load_sft_config
 from nedolm.train.signals import STOP_SIGNALS
 from nedolm.train.trainer import run
@@ -128,14 +129,39 @@ def test_seq_len_above_the_models(harness, tmp_path, corpus, base_run):
     assert "train.seq_len=512 exceeds the model's max_seq_len=256" in str(err.value)
 
 
-def test_backend_that_cannot_isolate_segments_here(harness, tmp_path, corpus, base_run):
+def _base_with_backend(base_run: Path, tmp_path: Path, attn_impl: str) -> Path:
     base = Path(shutil.copytree(base_run, tmp_path / "base"))
     doc = yaml.safe_load((base / "config.yaml").read_text(encoding="utf-8"))
-    doc["model"]["attn_impl"] = "flash"
+    doc["model"]["attn_impl"] = attn_impl
     (base / "config.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return base
+
+
+def test_backend_that_cannot_isolate_segments_here(harness, tmp_path, corpus, base_run):
+    base = _base_with_backend(base_run, tmp_path, "flash")
     with pytest.raises(RuntimeError) as err:
         _run(_config_for(harness, tmp_path, corpus, base))
-    assert "attn_impl='flash' cannot run here" in str(err.value)
+    message = str(err.value)
+    assert "attn_impl='flash' cannot run here" in message
+    assert f"set by the base model's config ({base / 'config.yaml'})" in message
+    assert "`train.attn_impl: auto`" in message  # the fix, without editing the base run
+
+
+def test_train_attn_impl_overrides_the_bases(harness, tmp_path, corpus, base_run):
+    """A base written for flash trains here with `train.attn_impl` set, and the checkpoint
+    records the backend that ran; a backend that cannot train here is refused by its key."""
+    base = _base_with_backend(base_run, tmp_path, "flash")
+    train = {"attn_impl": "sdpa", "max_steps": 1, "save_final_checkpoint": True}
+    config = _config_for(harness, tmp_path, corpus, base, train=train)
+    _run(config)
+    ckpt = load_checkpoint(config.with_suffix("") / "checkpoints" / "step-00000001.pt")
+    assert ckpt["contract"]["training"]["recipe"]["model_config"]["attn_impl"] == "sdpa"
+
+    flex = _config_for(harness, tmp_path, corpus, base, "flex", train={"attn_impl": "flex"})
+    with pytest.raises(RuntimeError) as err:
+        _run(flex)  # FlexAttention has no CPU backward
+    assert "attn_impl='flex' cannot train on cpu" in str(err.value)
+    assert "It is set by train.attn_impl" in str(err.value)
 
 
 @pytest.fixture(scope="module")

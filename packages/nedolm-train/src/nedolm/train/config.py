@@ -124,6 +124,9 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     grad_checkpoint: bool = False
     morph_dispatch: Literal["masked", "sparse", "grouped"] | None = None
     """Overrides the base model's morph_dispatch when set."""
+    attn_impl: Literal["auto", "flash", "torch_varlen", "flex", "sdpa"] | None = None
+    """Overrides the base model's attention backend when set: one base config serves machines
+    with different backends, and a backend can be compared without editing the base run."""
     assistant_only_head: bool = True
     """Fused loss head (targets only); off = full logits + cross-entropy (reference path)."""
     loss_fp32_logits: bool = True

@@ -43,7 +43,13 @@ from nedolm.dist import (
     is_distributed,
     main_rank_call,
 )
-from nedolm.model import ModelConfig, MorphTransformer, build_model, resolve_attn_impl
+from nedolm.model import (
+    AttentionBackendError,
+    ModelConfig,
+    MorphTransformer,
+    build_model,
+    resolve_attn_impl,
+)
 from nedolm.train.async_save import StagedCopies
 from nedolm.train.audit import BatchAudit
 from nedolm.train.base import (
@@ -135,7 +141,9 @@ def prepare_run(
     model_cfg = all_rank_call(
         info,
         "build model config",
-        lambda: model_config(run_config, morph_dispatch=cfg.train.morph_dispatch),
+        lambda: model_config(
+            run_config, morph_dispatch=cfg.train.morph_dispatch, attn_impl=cfg.train.attn_impl
+        ),
     )
     corpus_seq_len = all_rank_call(info, "read corpus seq_len", lambda: audited_seq_len(cfg))
     seq_len = cfg.train.seq_len or corpus_seq_len
@@ -283,7 +291,18 @@ def _check_runtime(
             f"prepare the corpus again with --seq-len {seq_len}"
         )
     # Packed rows are only correct with segment isolation; refuse a backend that cannot run.
-    resolve_attn_impl(model_cfg.attn_impl, device)
+    try:
+        resolve_attn_impl(model_cfg.attn_impl, device)
+    except AttentionBackendError as err:
+        source = (
+            "train.attn_impl"
+            if cfg.train.attn_impl is not None
+            else f"the base model's config ({cfg.base_config or cfg.base_hf_dir})"
+        )
+        raise AttentionBackendError(
+            f"{err}. It is set by {source}; `train.attn_impl: auto` takes the first backend "
+            "that trains here"
+        ) from err
 
 
 def _check_profile_window(cfg: SFTConfig, max_steps: int) -> None:
