@@ -4,8 +4,8 @@
 #   b. the model step per backend, eager and compiled (bench/model_gpu.py);
 #   the fused loss head vs the naive one and Liger's when installed (bench/loss_gpu.py);
 #   c. the real `nedolm-sft run` on a prepared real corpus at seq_len 4096 (bench/trainer_gpu.py),
-#      with the morph dispatch (b) found faster: tokens/s and MFU from metrics.jsonl, first step,
-#      trainer / model-step, top-15 CUDA kernels;
+#      with the attention backend and the morph dispatch (b) found fastest: tokens/s and MFU from
+#      metrics.jsonl, first step, trainer / model-step, top-15 CUDA kernels;
 #   d. transformers' LlamaForCausalLM of the same dense shape;
 #   e. `nedolm-sft launch --nproc-per-node 1` with ddp and fsdp (NCCL).
 # Every table goes to one file (--out, default bench/gpu_results.md) and to stdout.
@@ -59,16 +59,18 @@ else
     } >"$out"
 fi
 
-# (c) runs with the morph dispatch whose compiled step (b) found faster, so one call measures
-# the trainer as it would run best; a --dispatch given after `--` still wins (argparse keeps
-# the last one).
+# (c) runs with the attention backend and the morph dispatch whose compiled steps (b) found
+# fastest, so one call measures the trainer as it would run best; an --attn-impl or --dispatch
+# given after `--` still wins (argparse keeps the last one).
+backend_file=$(mktemp)
 dispatch_file=$(mktemp)
-trap 'rm -f "$dispatch_file"' EXIT
-model_args+=(--faster-dispatch-to "$dispatch_file")
+trap 'rm -f "$backend_file" "$dispatch_file"' EXIT
+model_args+=(--faster-backend-to "$backend_file" --faster-dispatch-to "$dispatch_file")
 
 status=0
 timeout 160 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
 timeout 35 "$PYTHON" bench/loss_gpu.py "${loss_args[@]}" 2>&1 | tee -a "$out" || status=1
+[[ -s $backend_file ]] && trainer_args+=(--attn-impl "$(<"$backend_file")")
 [[ -s $dispatch_file ]] && trainer_args+=(--dispatch "$(<"$dispatch_file")")
 timeout 285 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
 echo "tables written to $out"

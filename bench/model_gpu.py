@@ -5,14 +5,17 @@
 1. Backend agreement in bf16: every present attention backend (flash, torch_varlen, flex)
    against `sdpa` on the same packed rows: logits, fused-head loss and every gradient. Each
    backend runs on its own: one that fails prints its error row and the others still run.
-2. Training-step tokens/s and MFU of a preset (default nedolm-0.8b) at seq_len 4096 on packed
-   rows with 40% targets, for each backend whose probe passed, eager and compiled (each block
-   compiled on its own: one compiled graph serves all blocks, so compile takes seconds, not
-   minutes); a failing configuration prints its error row. Right after `auto`'s backend come
-   the variants under evaluation, compiled: `grouped` morph dispatch (grouped GEMMs, the FLOPs
-   the MFU counts) against the preset's `masked`, and, when torch_varlen takes grouped KV heads
-   unexpanded (torch 2.10/2.11 after its probe), torch_varlen with them copied per query head
-   as before: each gain measured in the same run.
+2. Training-step tokens/s and MFU of a preset (default nedolm-0.8b) at seq_len 4096 on rows
+   packed with conversations of the real corpus' lengths (bench/packing_lengths.json: ~20 a
+   row, most short; the attention kernels' work depends on it), 40% targets, for each backend
+   whose probe passed, eager and compiled (each block compiled on its own: one compiled graph
+   serves all blocks, so compile takes seconds, not minutes); a failing configuration prints
+   its error row. Right after `auto`'s backend come the variants under evaluation, compiled:
+   `grouped` morph dispatch (grouped GEMMs, the FLOPs the MFU counts) against the preset's
+   `masked`, and, when torch_varlen takes grouped KV heads unexpanded (torch 2.10/2.11 after
+   its probe), torch_varlen with them copied per query head as before: each gain measured in
+   the same run. The backend and the morph dispatch whose compiled steps were fastest are
+   written for the trainer's run (--faster-backend-to, --faster-dispatch-to).
 
 MFU uses the project's one FLOP count, `nedolm.train.flops.flops_per_token` (its docstring
 states the convention: 6 x matmul weights per token + the full-row attention term), so it
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from nedolm.data import synthetic
 from nedolm.model import (
     ModelConfig,
     attention_backends,
@@ -48,28 +53,43 @@ from nedolm.model.attn_select import auto_order
 from nedolm.train.flops import flops_per_token, peak_bf16_flops
 
 TARGET_FRACTION, EOS_ID = 0.4, 2
+LENGTHS_FILE = Path(__file__).with_name("packing_lengths.json")
+NOISE = 0.02  # a step time within 2% of another is not a measured difference
+
+
+def conversation_lengths(n: int, seed: int) -> list[int]:
+    """Token lengths of ``n`` conversations drawn from the real chat corpus' histograms
+    (``bench/packing_lengths.json``: turns and per-role message lengths, real tokenizer)."""
+    params = json.loads(LENGTHS_FILE.read_text(encoding="utf-8"))
+    index, _ = synthetic.layout(synthetic.sample_conversations(params, n, seed))
+    return index["token_len"].tolist()
 
 
 def packed_rows(cfg: ModelConfig, batch: int, seq_len: int, device: str, seed: int = 0):
-    """Rows packed with conversations of 64..seq_len/2 tokens (EOS-separated), 40% targets."""
+    """Rows packed back to back with conversations of the real corpus' lengths, EOS-separated,
+    40% targets; one that overflows a row goes on at the start of the next (as a corpus's
+    continuation windows do), so no row ends in padding.
+
+    The segment count and lengths set the attention kernels' work: at seq_len 4096 the real
+    corpus puts ~20 conversations in a row, most of a few dozen tokens, a few of thousands.
+    """
     gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, cfg.vocab_size, (batch, seq_len), generator=gen)
-    for row in range(batch):
-        col = 0
-        while col < seq_len:
-            col += int(torch.randint(64, max(65, seq_len // 2), (1,), generator=gen))
-            if col < seq_len:
-                input_ids[row, col - 1] = EOS_ID
+    input_ids = torch.randint(3, cfg.vocab_size, (batch * seq_len,), generator=gen)
+    # Conversations of at least 4 tokens (header, end) fill the rows many times over.
+    ends = torch.tensor(conversation_lengths(batch * seq_len // 4, seed)).cumsum(0)
+    ends = ends[ends < batch * seq_len]
+    input_ids[ends - 1] = EOS_ID
+    input_ids = input_ids.view(batch, seq_len)
     labels = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)
     labels[torch.rand(batch, seq_len, generator=gen) >= TARGET_FRACTION] = -100
     cu_seqlens, position_ids = packed_layout(input_ids, EOS_ID)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    segments = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     layout = dict(
         cu_seqlens=cu_seqlens.to(device),
-        max_seqlen=int(lengths.max()),
+        max_seqlen=int(segments.max()),
         position_ids=position_ids.to(device),
     )
-    return input_ids.to(device), labels.to(device), layout, lengths
+    return input_ids.to(device), labels.to(device), layout, segments
 
 
 def build(cfg: ModelConfig, backend: str, device: str, state: dict | None = None):
@@ -199,6 +219,12 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak")
     parser.add_argument("--budget-s", type=float, default=420, help="skip configs after this")
     parser.add_argument(
+        "--faster-backend-to",
+        type=Path,
+        help="write the trainable attention backend whose compiled step was fastest here "
+        "(bench/gpu.sh hands it to the trainer's run)",
+    )
+    parser.add_argument(
         "--faster-dispatch-to",
         type=Path,
         help="write the morph dispatch whose compiled step was faster here (bench/gpu.sh hands "
@@ -225,8 +251,11 @@ def main() -> None:
     with torch.device("meta"):  # count without allocating
         n_params = build_model(cfg).num_params()
     print(f"## Training step, {args.preset} ({n_params / 1e9:.2f}B params, {args.dispatch})")
+    segments = packed_rows(cfg, args.batch, args.seq_len, "cpu")[3]
     print(
-        f"{args.batch}x{args.seq_len} packed tokens, {TARGET_FRACTION:.0%} targets, bf16 autocast"
+        f"{args.batch}x{args.seq_len} packed tokens, {TARGET_FRACTION:.0%} targets, bf16 autocast; "
+        f"conversations of the real corpus' lengths: {len(segments)} segments, median "
+        f"{segments.median():.0f} tokens, longest {segments.max()}"
     )
     print(f"AdamW, median of {args.steps} steps\n")
     print("| backend | mode | step ms | tokens/s | MFU | compile s | peak GiB |")
@@ -251,24 +280,30 @@ def main() -> None:
         except Exception as error:  # the next configuration still runs
             print(f"| {label} | {mode} | error: {_first_line(error)} |", flush=True)
         torch._dynamo.reset()
-    if args.faster_dispatch_to and trainable:
-        choice = faster_dispatch(step_s, trainable[0], args.dispatch)
-        args.faster_dispatch_to.write_text(choice + "\n")
+    if trainable:
+        print()
+        if args.faster_backend_to:
+            rows = {backend: backend for backend in trainable}
+            choice = faster("attention backend", step_s, rows, trainable[0])
+            args.faster_backend_to.write_text(choice + "\n")
+        if args.faster_dispatch_to:
+            rows = {args.dispatch: trainable[0], "grouped": f"{trainable[0]}, grouped dispatch"}
+            choice = faster("morph dispatch", step_s, rows, args.dispatch)
+            args.faster_dispatch_to.write_text(choice + "\n")
 
 
-def faster_dispatch(step_s: dict[tuple[str, bool], float], backend: str, dispatch: str) -> str:
-    """`grouped` if its compiled step beat `dispatch`'s on `backend` (auto's choice), else
-    `dispatch`; said in a line under the table."""
-    default, grouped = (
-        step_s.get((backend, True)),
-        step_s.get((f"{backend}, grouped dispatch", True)),
-    )
-    if default is None or grouped is None:
-        print(f"\nmorph dispatch for the trainer's run: {dispatch} (no grouped row to compare)")
-        return dispatch
-    choice = "grouped" if grouped < default else dispatch
-    print(f"\nmorph dispatch for the trainer's run: {choice} (compiled step: grouped ", end="")
-    print(f"{grouped * 1e3:.0f} ms, {dispatch} {default * 1e3:.0f} ms)")
+def faster(what: str, step_s: dict[tuple[str, bool], float], rows: dict[str, str], default: str):
+    """The choice among ``rows`` (choice -> its table label) whose compiled step was fastest;
+    ``default`` unless another beat it by more than run-to-run noise (NOISE) or it was not
+    timed. Said in a line under the table."""
+    timed = {
+        choice: step_s[label, True] for choice, label in rows.items() if (label, True) in step_s
+    }
+    choice = min(timed, key=timed.__getitem__) if timed else default
+    if default in timed and timed[choice] > timed[default] * (1 - NOISE):
+        choice = default
+    steps = ", ".join(f"{name} {secs * 1e3:.0f} ms" for name, secs in timed.items())
+    print(f"{what} for the trainer's run: {choice} (compiled step: {steps or 'none timed'})")
     return choice
 
 

@@ -2,6 +2,7 @@
 
     python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--budget-s 240] [--keep DIR]
                                 [--launch-only] [--dispatch masked|sparse|grouped]
+                                [--attn-impl auto|flash|torch_varlen|flex|sdpa]
 
 c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample and the glaive
    tool-call chats, plus any --data files) at seq_len 4096, nedolm-0.8b, compiled, ~30 steps:
@@ -199,16 +200,16 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
 def guarded_trainer_section(
     plan: Plan, config: Path, args: argparse.Namespace, corpus: Path, base: Path
 ) -> tuple[float, Path, bool]:
-    """(c), and when it fails with a --dispatch other than the preset's, (c) again with the
-    preset's: (tokens/s or 0.0, the config that ran, whether anything failed)."""
+    """(c), and when it fails with a --dispatch or --attn-impl, (c) again with the base's
+    settings: (tokens/s or 0.0, the config that ran, whether anything failed)."""
     try:
         return trainer_section(plan, config, args.keep), config, False
     except (RuntimeError, subprocess.TimeoutExpired):
         print("## c. `nedolm-sft run` FAILED\n")
         print_traceback()
-        if not args.dispatch:
+        if not (args.dispatch or args.attn_impl):
             return 0.0, config, True
-    print(f"(c) again with the preset's morph dispatch instead of {args.dispatch}:\n")
+    print("(c) again with the base's morph dispatch and attention backend:\n")
     fallback = write_config(
         config.with_name("run-preset-dispatch.yaml"), plan, corpus, base, **profiled(plan)
     )
@@ -230,7 +231,10 @@ def run_model_config(config: Path):
     from nedolm.train.config import load_sft_config
 
     sft = load_sft_config(config)
-    return model_config(base_run_config(sft), morph_dispatch=sft.train.morph_dispatch)
+    t = sft.train
+    return model_config(
+        base_run_config(sft), morph_dispatch=t.morph_dispatch, attn_impl=t.attn_impl
+    )
 
 
 def real_micro_batches(plan: Plan, config: Path, count: int):
@@ -432,6 +436,11 @@ def main() -> None:
         choices=["masked", "sparse", "grouped"],
         help="train.morph_dispatch of (c) (default: the preset's)",
     )
+    parser.add_argument(
+        "--attn-impl",
+        choices=["auto", "flash", "torch_varlen", "flex", "sdpa"],
+        help="train.attn_impl of (c) (default: the base's, auto)",
+    )
     args = parser.parse_args()
     plan = plan_for(args)
     if plan.device == "cuda" and not torch.cuda.is_available():
@@ -443,10 +452,11 @@ def main() -> None:
         dispatch_text = args.dispatch or "the preset's"
         print(
             f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files, "
-            f"{dispatch_text} morph dispatch\n"
+            f"attn_impl {args.attn_impl or 'auto'}, {dispatch_text} morph dispatch\n"
         )
-        dispatch = {"morph_dispatch": args.dispatch} if args.dispatch else {}
-        config = write_config(root / "run.yaml", plan, corpus, base, **profiled(plan), **dispatch)
+        chosen = {"morph_dispatch": args.dispatch, "attn_impl": args.attn_impl}
+        chosen = {key: value for key, value in chosen.items() if value}
+        config = write_config(root / "run.yaml", plan, corpus, base, **profiled(plan), **chosen)
         trainer_tps, failed = 0.0, False
         if not args.launch_only:
             trainer_tps, config, failed = guarded_trainer_section(plan, config, args, corpus, base)

@@ -49,10 +49,15 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     assert head, text
     assert all(float(e) < 1e-5 for e in head.groups()), head.groups()  # float32 on CPU
     assert re.search(r"^\| ddp \| ok, 1 steps \|", text, re.M), text
-    # (b) compares the compiled step under each morph dispatch and (c) runs with the faster.
+    # (b) compares the compiled step of each backend and each morph dispatch, and (c) runs with
+    # the fastest (on a CPU only sdpa trains).
+    backend = re.search(
+        r"^attention backend for the trainer's run: (\w+) \(compiled step", text, re.M
+    )
     chosen = re.search(r"^morph dispatch for the trainer's run: (\w+) \(compiled step", text, re.M)
-    assert chosen, text
-    assert re.search(rf"^# The product: .*, {chosen[1]} morph dispatch$", text, re.M), text
+    assert backend and backend[1] == "sdpa" and chosen, text
+    product = rf"^# The product: .*, attn_impl {backend[1]}, {chosen[1]} morph dispatch$"
+    assert re.search(product, text, re.M), text
     assert re.search(r"^\| fsdp \| ok, 1 steps \|", text, re.M), text
     # The trainer's own profile window (3 steps after the measured ones) and the model step's.
     cpu_row = rf"({number}) \| n/a \(CPU\) \| \| \| \| ({number}) \|$"
