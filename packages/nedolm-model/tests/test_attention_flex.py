@@ -115,3 +115,34 @@ def test_compiled_flex_reuses_its_graph_for_new_packings() -> None:
     # The second packing has the first's segment count: no recompile; the third's new count
     # makes that dimension dynamic once; the fourth reuses it.
     assert graphs[0] == graphs[1] and graphs[2] == graphs[3], graphs
+
+
+def test_compiled_blocks_trace_flex_once_for_every_packing(make_model) -> None:
+    """The trainer's way: the mask is built outside the compiled blocks, once per micro-batch,
+    and each block gets a new BlockMask (new tensors, a new mask_mod closure) of the same
+    shapes. Dynamo must not guard on those objects' identity, or every micro-batch would
+    recompile. Forward only (no CPU backward); guards are the forward frame's either way."""
+    from torch._dynamo.utils import counters
+
+    model = make_model(attn_impl="flex", max_seq_len=160).train()  # train mode: compiled blocks
+    reference = make_model(attn_impl="sdpa", max_seq_len=160).train()
+    reference.load_state_dict(model.state_dict())
+    resolve_attn_impl("flex", "cpu", backward=False)
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile_blocks(backend="aot_eager")
+    packings = [  # 2 rows of 160 tokens, 2 to 52 segments
+        [5, 1, 9, 30, 2, 7, 6, 100] + [160],
+        [80, 80] + [40, 120],
+        [3] * 50 + [10] + [1, 159],
+        [128, 32] + [1] * 10 + [150],
+    ]
+    for lengths in packings:
+        cu_seqlens = cu_seqlens_of(lengths)
+        input_ids = torch.randint(3, model.cfg.vocab_size, (2, 160))
+        with torch.no_grad():
+            got = model(input_ids, cu_seqlens=cu_seqlens)
+            want = reference(input_ids, cu_seqlens=cu_seqlens)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["frames"]["ok"] == 1, f"{counters['frames']['ok']} frames: recompiles"
