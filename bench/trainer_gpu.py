@@ -211,7 +211,7 @@ def guarded_trainer_section(
             return 0.0, config, True
     print("(c) again with the base's morph dispatch and attention backend:\n")
     fallback = write_config(
-        config.with_name("run-preset-dispatch.yaml"), plan, corpus, base, **profiled(plan)
+        config.with_name("run-base-settings.yaml"), plan, corpus, base, **profiled(plan)
     )
     try:
         return trainer_section(plan, fallback, args.keep), fallback, True
