@@ -156,6 +156,8 @@ def test_train_attn_impl_overrides_the_bases(harness, tmp_path, corpus, base_run
     _run(config)
     ckpt = load_checkpoint(config.with_suffix("") / "checkpoints" / "step-00000001.pt")
     assert ckpt["contract"]["training"]["recipe"]["model_config"]["attn_impl"] == "sdpa"
+    log = (config.with_suffix("") / "train.log").read_text(encoding="utf-8")
+    assert "attn_impl sdpa, set by train.attn_impl" in log
 
     flex = _config_for(harness, tmp_path, corpus, base, "flex", train={"attn_impl": "flex"})
     with pytest.raises(RuntimeError) as err:

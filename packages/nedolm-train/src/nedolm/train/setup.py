@@ -291,18 +291,20 @@ def _check_runtime(
             f"prepare the corpus again with --seq-len {seq_len}"
         )
     # Packed rows are only correct with segment isolation; refuse a backend that cannot run.
+    source = (
+        "train.attn_impl"
+        if cfg.train.attn_impl is not None
+        else f"the base model's config ({cfg.base_config or cfg.base_hf_dir})"
+    )
     try:
         resolve_attn_impl(model_cfg.attn_impl, device)
     except AttentionBackendError as err:
-        source = (
-            "train.attn_impl"
-            if cfg.train.attn_impl is not None
-            else f"the base model's config ({cfg.base_config or cfg.base_hf_dir})"
-        )
         raise AttentionBackendError(
             f"{err}. It is set by {source}; `train.attn_impl: auto` takes the first backend "
             "that trains here"
         ) from err
+    if model_cfg.attn_impl != "auto":  # auto logs its own choice and why
+        log.info("attn_impl %s, set by %s (its start-up probe passed)", model_cfg.attn_impl, source)
 
 
 def _check_profile_window(cfg: SFTConfig, max_steps: int) -> None:
