@@ -131,14 +131,14 @@ def test_compiled_blocks_trace_flex_once_for_every_packing(make_model) -> None:
     torch._dynamo.reset()
     counters.clear()
     model.compile_blocks(backend="aot_eager")
-    packings = [  # 2 rows of 160 tokens, 2 to 52 segments
-        [5, 1, 9, 30, 2, 7, 6, 100] + [160],
-        [80, 80] + [40, 120],
-        [3] * 50 + [10] + [1, 159],
-        [128, 32] + [1] * 10 + [150],
+    packings = [  # (row 1, row 2) of 160 tokens each: 2 to 52 segments
+        ([5, 1, 9, 30, 2, 7, 6, 100], [160]),
+        ([80, 80], [40, 120]),
+        ([3] * 50 + [10], [1, 159]),
+        ([128, 32], [1] * 10 + [150]),
     ]
-    for lengths in packings:
-        cu_seqlens = cu_seqlens_of(lengths)
+    for first_row, second_row in packings:
+        cu_seqlens = cu_seqlens_of([*first_row, *second_row])
         input_ids = torch.randint(3, model.cfg.vocab_size, (2, 160))
         with torch.no_grad():
             got = model(input_ids, cu_seqlens=cu_seqlens)
