@@ -292,7 +292,9 @@ def main() -> None:
             args.faster_dispatch_to.write_text(choice + "\n")
 
 
-def faster(what: str, step_s: dict[tuple[str, bool], float], rows: dict[str, str], default: str):
+def faster(
+    what: str, step_s: dict[tuple[str, bool], float], rows: dict[str, str], default: str
+) -> str:
     """The choice among ``rows`` (choice -> its table label) whose compiled step was fastest;
     ``default`` unless another beat it by more than run-to-run noise (NOISE) or it was not
     timed. Said in a line under the table."""

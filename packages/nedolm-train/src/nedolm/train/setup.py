@@ -273,7 +273,8 @@ def _check_runtime(
     corpus_seq_len: int,
     device: torch.device,
 ) -> None:
-    """Refuse a seq_len the model or the corpus cannot train at, saying which to change."""
+    """Refuse a seq_len the model or the corpus cannot train at, or an attention backend that
+    cannot train here, saying what to change; log a backend the configs name."""
     longest = model_cfg.max_seq_len
     if seq_len > longest:
         fix = (
