@@ -57,6 +57,22 @@ LENGTHS_FILE = Path(__file__).with_name("packing_lengths.json")
 NOISE = 0.02  # a step time within 2% of another is not a measured difference
 
 
+class StepTime(NamedTuple):
+    """A configuration's step: the median of the timed steps and their interquartile range
+    relative to it, the run-to-run noise this run measured for that row."""
+
+    median_s: float
+    spread: float
+
+    @classmethod
+    def of(cls, times: list[float]) -> StepTime:
+        median = statistics.median(times)
+        if len(times) < 2:
+            return cls(median, 0.0)
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+        return cls(median, (q3 - q1) / median)
+
+
 def conversation_lengths(n: int, seed: int) -> list[int]:
     """Token lengths of ``n`` conversations drawn from the real chat corpus' histograms
     (``bench/packing_lengths.json``: turns and per-role message lengths, real tokenizer)."""
@@ -152,8 +168,8 @@ def throughput(
     args: argparse.Namespace,
     peak_tflops: float,
     label: str,
-) -> tuple[str, float]:
-    """(the table row, the median step in seconds)."""
+) -> tuple[str, StepTime]:
+    """(the table row, the step's median and spread)."""
     model = build(cfg, backend, args.device)
     if compiled:
         model.compile_blocks()  # as the trainer does; not fullgraph: older flash-attn builds break
@@ -180,17 +196,18 @@ def throughput(
         step()
         _sync(args.device)
         times.append(time.perf_counter() - start)
-    secs = statistics.median(times)
+    timed = StepTime.of(times)
+    secs = timed.median_s
     tokens = input_ids.numel()
     flops = tokens * flops_per_token(cfg, args.seq_len)
     mfu = f"{flops / secs / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a"
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
     mode = "compiled" if compiled else "eager"
     row = (
-        f"| {label} | {mode} | {secs * 1e3:.0f} | {tokens / secs:,.0f} | {mfu} | "
-        f"{compile_s:.0f} | {peak_mem:.1f} |"
+        f"| {label} | {mode} | {secs * 1e3:.0f} | {timed.spread:.1%} | {tokens / secs:,.0f} | "
+        f"{mfu} | {compile_s:.0f} | {peak_mem:.1f} |"
     )
-    return row, secs
+    return row, timed
 
 
 @contextlib.contextmanager
@@ -257,10 +274,10 @@ def main() -> None:
         f"conversations of the real corpus' lengths: {len(segments)} segments, median "
         f"{segments.median():.0f} tokens, longest {segments.max()}"
     )
-    print(f"AdamW, median of {args.steps} steps\n")
-    print("| backend | mode | step ms | tokens/s | MFU | compile s | peak GiB |")
-    print("|---|---|---|---|---|---|---|")
-    step_s: dict[tuple[str, bool], float] = {}
+    print(f"AdamW, median of {args.steps} steps; spread: their interquartile range / median\n")
+    print("| backend | mode | step ms | spread | tokens/s | MFU | compile s | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    step_s: dict[tuple[str, bool], StepTime] = {}
     for label, backend, compiled, row_cfg, context in step_rows(cfg, trainable, args.dispatch):
         mode = "compiled" if compiled else "eager"
         if time.perf_counter() - began > args.budget_s:
@@ -293,18 +310,24 @@ def main() -> None:
 
 
 def faster(
-    what: str, step_s: dict[tuple[str, bool], float], rows: dict[str, str], default: str
+    what: str, step_s: dict[tuple[str, bool], StepTime], rows: dict[str, str], default: str
 ) -> str:
     """The choice among ``rows`` (choice -> its table label) whose compiled step was fastest;
-    ``default`` unless another beat it by more than run-to-run noise (NOISE) or it was not
-    timed. Said in a line under the table."""
+    ``default`` unless another beat it by more than run-to-run noise or it was not timed.
+    Noise is NOISE or the larger of the two rows' measured spreads, whichever is wider.
+    Said in a line under the table."""
     timed = {
         choice: step_s[label, True] for choice, label in rows.items() if (label, True) in step_s
     }
-    choice = min(timed, key=timed.__getitem__) if timed else default
-    if default in timed and timed[choice] > timed[default] * (1 - NOISE):
-        choice = default
-    steps = ", ".join(f"{name} {secs * 1e3:.0f} ms" for name, secs in timed.items())
+    choice = min(timed, key=lambda name: timed[name].median_s) if timed else default
+    if default in timed:
+        base, best = timed[default], timed[choice]
+        noise = max(NOISE, base.spread, best.spread)
+        if best.median_s > base.median_s * (1 - noise):
+            choice = default
+    steps = ", ".join(
+        f"{name} {t.median_s * 1e3:.0f} ms (spread {t.spread:.1%})" for name, t in timed.items()
+    )
     print(f"{what} for the trainer's run: {choice} (compiled step: {steps or 'none timed'})")
     return choice
 

@@ -40,8 +40,10 @@ def test_rows_hold_the_real_corpus_segment_counts_without_padding(model_gpu) -> 
 
 
 def test_a_choice_leaves_the_default_only_when_faster_beyond_noise(model_gpu) -> None:
-    step_s = {("auto", True): 1.00, ("close", True): 0.99, ("fast", True): 0.95}
-    step_s[("eager only", False)] = 0.5  # eager rows never decide
+    steady = model_gpu.StepTime
+    step_s = {("auto", True): steady(1.00, 0.0), ("close", True): steady(0.99, 0.0)}
+    step_s[("fast", True)] = steady(0.95, 0.01)
+    step_s[("eager only", False)] = steady(0.5, 0.0)  # eager rows never decide
     choose = model_gpu.faster
     assert choose("backend", step_s, {"auto": "auto", "close": "close"}, "auto") == "auto"
     assert choose("backend", step_s, {"auto": "auto", "fast": "fast"}, "auto") == "fast"
@@ -49,3 +51,24 @@ def test_a_choice_leaves_the_default_only_when_faster_beyond_noise(model_gpu) ->
     # The default failed to run: the fastest that ran; nothing ran: the default.
     assert choose("backend", step_s, {"gone": "gone", "close": "close"}, "gone") == "close"
     assert choose("backend", {}, {"auto": "auto"}, "auto") == "auto"
+
+
+def test_a_measured_spread_wider_than_the_difference_keeps_the_default(model_gpu) -> None:
+    step_s = {("auto", True): model_gpu.StepTime(1.00, 0.08)}
+    step_s[("fast", True)] = model_gpu.StepTime(0.95, 0.01)  # 5% faster, but auto's rows vary 8%
+    assert model_gpu.faster("backend", step_s, {"auto": "auto", "fast": "fast"}, "auto") == "auto"
+    step_s[("auto", True)] = model_gpu.StepTime(1.00, 0.01)
+    step_s[("fast", True)] = model_gpu.StepTime(0.95, 0.06)  # the challenger's own rows vary 6%
+    assert model_gpu.faster("backend", step_s, {"auto": "auto", "fast": "fast"}, "auto") == "auto"
+    step_s[("fast", True)] = model_gpu.StepTime(0.90, 0.06)  # 10% faster: beyond both
+    assert model_gpu.faster("backend", step_s, {"auto": "auto", "fast": "fast"}, "auto") == "fast"
+
+
+def test_step_time_spread_is_the_interquartile_range_over_the_median(model_gpu) -> None:
+    # 8 steps sorted, inclusive quartiles at positions 1.75 and 5.25: 0.10875 and 0.11225; the
+    # one slow outlier (0.200) moves neither.
+    times = [0.110, 0.100, 0.111, 0.109, 0.112, 0.108, 0.113, 0.200]
+    timed = model_gpu.StepTime.of(times)
+    assert timed.median_s == pytest.approx(0.1105)
+    assert timed.spread == pytest.approx((0.11225 - 0.10875) / 0.1105)
+    assert model_gpu.StepTime.of([0.1]) == (0.1, 0.0)  # one step: no spread to measure
