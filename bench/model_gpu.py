@@ -14,8 +14,9 @@
    `grouped` morph dispatch (grouped GEMMs, the FLOPs the MFU counts) against the preset's
    `masked`, and, when torch_varlen takes grouped KV heads unexpanded (torch 2.10/2.11 after
    its probe), torch_varlen with them copied per query head as before: each gain measured in
-   the same run. The backend and the morph dispatch whose compiled steps were fastest are
-   written for the trainer's run (--faster-backend-to, --faster-dispatch-to).
+   the same run. Each row gives its median step and its spread (interquartile range / median);
+   the backend and the morph dispatch whose compiled steps were fastest beyond that spread (and
+   2%) are written for the trainer's run (--faster-backend-to, --faster-dispatch-to).
 
 MFU uses the project's one FLOP count, `nedolm.train.flops.flops_per_token` (its docstring
 states the convention: 6 x matmul weights per token + the full-row attention term), so it
