@@ -5,7 +5,8 @@
 #   the fused loss head vs the naive one and Liger's when installed (bench/loss_gpu.py);
 #   c. the real `nedolm-sft run` on a prepared real corpus at seq_len 4096 (bench/trainer_gpu.py),
 #      with the attention backend and the morph dispatch (b) found fastest: tokens/s and MFU from
-#      metrics.jsonl, first step, trainer / model-step, top-15 CUDA kernels;
+#      metrics.jsonl, first step, trainer / model-step, top-15 CUDA kernels; one asynchronous
+#      checkpoint's training pause and write, and `nedolm-sft generate` from it;
 #   d. transformers' LlamaForCausalLM of the same dense shape;
 #   e. `nedolm-sft launch --nproc-per-node 1` with ddp and fsdp (NCCL).
 # Every table goes to one file (--out, default bench/gpu_results.md) and to stdout.
@@ -35,7 +36,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 # Each script stops starting new sections after its --budget-s; the hard timeouts only guard
-# against a hang (160 + 35 + 285 s: under 8 minutes together).
+# against a hang (145 + 35 + 300 s: under 8 minutes together).
 if [[ $smoke == 1 ]]; then
     # Room for every step row on a loaded 2-core CI machine (a compile alone took 16 s there):
     # the smoke test checks (b)'s masked-vs-grouped comparison that (c)'s dispatch comes from.
@@ -50,7 +51,7 @@ else
     command -v nvidia-smi >/dev/null || { echo "no NVIDIA GPU here (bench/gpu.sh --smoke checks the scripts on a CPU)" >&2; exit 2; }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")'
-    model_args=(--budget-s 110)
+    model_args=(--budget-s 100)
     loss_args=()
     trainer_args=(--budget-s 240)
     {
@@ -68,10 +69,10 @@ trap 'rm -f "$backend_file" "$dispatch_file"' EXIT
 model_args+=(--faster-backend-to "$backend_file" --faster-dispatch-to "$dispatch_file")
 
 status=0
-timeout 160 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
+timeout 145 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
 timeout 35 "$PYTHON" bench/loss_gpu.py "${loss_args[@]}" 2>&1 | tee -a "$out" || status=1
 [[ -s $backend_file ]] && trainer_args+=(--attn-impl "$(<"$backend_file")")
 [[ -s $dispatch_file ]] && trainer_args+=(--dispatch "$(<"$dispatch_file")")
-timeout 285 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
+timeout 300 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
 echo "tables written to $out"
 exit $status

@@ -11,6 +11,9 @@ c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample a
    on the device, no loader, collective or logging. A torch.profiler table of the top-15 CUDA
    kernels of those model steps, and where a step's time goes (wall, device busy, host waits,
    scalar reads) in them and in the trainer's own profile of 3 more steps of (c)'s run.
+   Then the run saves one checkpoint (asynchronous, the default) and trains one more step
+   while it is written: the training pause, the background write and that step's time; and
+   `nedolm-sft generate` answers from that checkpoint, timed as a user waits for it.
 d. transformers' LlamaForCausalLM of the same dense shape (no morph experts), eager sdpa, bf16
    autocast, full-logits loss, the same tokens per step: what an untuned TRL user runs.
 e. `nedolm-sft launch --nproc-per-node 1` with ddp and with fsdp (NCCL on a GPU), a few eager
@@ -137,13 +140,17 @@ def write_config(
 
 
 PROFILED_STEPS = 3
+GENERATE_PROMPT = "Türkiye'nin başkenti neresidir?"
+GENERATE_TOKENS = 24
 
 
 def profiled(plan: Plan) -> dict:
-    """(c)'s run goes PROFILED_STEPS past the measured steps, which its profile window takes
-    (the trainer's own ``profile.start_step``): profiled steps run slower and are not timed."""
+    """(c)'s run goes on past the measured steps: PROFILED_STEPS in its profile window (the
+    trainer's own ``profile.start_step``), then one step that saves a checkpoint and one that
+    trains while it is written. Those steps run slower and are not timed."""
     window = {"start_step": plan.steps + 1, "steps": PROFILED_STEPS}
-    return {"profile": window, "max_steps": plan.steps + PROFILED_STEPS}
+    checkpoint_step = plan.steps + PROFILED_STEPS + 1
+    return {"profile": window, "ckpt_interval": checkpoint_step, "max_steps": checkpoint_step + 1}
 
 
 def step_records(run_dir: Path) -> list[dict]:
@@ -195,6 +202,38 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
     print(f"| {records[0]['sec_per_step']:.2f} | {statistics.median(r['sec_per_step'] for r in steady):.3f} "
           f"| {tokens_per_s:,.0f} | {after_first:,.0f} | {mfu_text} |\n")  # fmt: skip
     return tokens_per_s
+
+
+def checkpoint_section(plan: Plan, run_dir: Path) -> None:
+    """(c, continued): the run's one checkpoint (issue 25's targets on nedolm-0.8b: training
+    pause <= 2 s, a reply from ``generate`` <= 10 s)."""
+    from nedolm.train.checkpoint import CHECKPOINT_DIR
+    from nedolm.train.metrics import read_metrics
+
+    records = read_metrics(run_dir)
+    saves = [r for r in records if r.get("kind") == "checkpoint"]
+    if not saves:
+        raise RuntimeError(f"{run_dir / 'metrics.jsonl'} has no checkpoint record")
+    save = saves[-1]
+    step_s = {r["step"]: r["sec_per_step"] for r in records if "tokens_per_s" in r}
+    steady = statistics.median(step_s[step] for step in range(2, plan.steps + 1) if step in step_s)
+    during = step_s.get(save["step"] + 1)
+    files = (run_dir / CHECKPOINT_DIR).rglob("*")
+    size = sum(path.stat().st_size for path in files if path.is_file())
+    started = time.monotonic()
+    reply = sft("generate", str(run_dir), "--prompt", GENERATE_PROMPT,
+                "--max-new-tokens", str(GENERATE_TOKENS), timeout=300).stdout  # fmt: skip
+    generate_s = time.monotonic() - started
+    mode = "in the background" if save["background"] else "synchronous"
+    print(f"### c. checkpoint at step {save['step']} ({size / 2**30:.2f} GiB, {mode}), then "
+          f"`nedolm-sft generate` from it ({GENERATE_TOKENS} new tokens at most)\n")  # fmt: skip
+    print("| training pause s | write s | step trained during the write s | steady step s "
+          "| generate s, process start to reply |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    during_text = f"{during:.3f}" if during is not None else "n/a"
+    print(f"| {save['pause_s']:.2f} | {save['write_s']:.2f} | {during_text} | {steady:.3f} "
+          f"| {generate_s:.1f} |\n")  # fmt: skip
+    print(f"reply: {' '.join(reply.split())[:200]}\n")
 
 
 def guarded_trainer_section(
@@ -461,11 +500,12 @@ def main() -> None:
         if not args.launch_only:
             trainer_tps, config, failed = guarded_trainer_section(plan, config, args, corpus, base)
         sections = (
+            lambda: checkpoint_section(plan, config.with_suffix("")),
             lambda: model_step_section(plan, config, trainer_tps),
             lambda: llama_section(plan, config, trainer_tps),
             lambda: launch_section(plan, corpus, base, root),
         )
-        for section in sections[2:] if args.launch_only else sections:
+        for section in sections[-1:] if args.launch_only else sections:
             if time.monotonic() - began > args.budget_s:
                 print(f"(skipped: the {args.budget_s:.0f} s budget is spent)\n")
                 continue

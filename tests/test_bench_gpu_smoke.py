@@ -15,6 +15,7 @@ SECTIONS = (
     "## Training step, tiny",  # b
     "## Loss head: 204 target rows of 512",
     "## c. `nedolm-sft run`, tiny",
+    "### c. checkpoint at step 7 (",
     "### c. trainer vs the model step alone",
     "### c. torch.profiler: top-15 CPU ops (no CUDA device",
     "### c. where a step's time goes",
@@ -65,3 +66,16 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     alone = re.search(rf"^\| model step alone, 3 steps \| {cpu_row}", text, re.M)
     assert trainer and alone, text
     assert float(trainer[2]) >= 1.0  # the gradient norm, read every step
+    # After the profile window, one checkpoint written behind a training step, then `generate`
+    # answers from it (issue 25's pause and reply time on a GPU).
+    assert "in the background), then `nedolm-sft generate` from it" in text, text
+    checkpoint = text.split("### c. checkpoint at step", 1)[1]
+    save = re.search(
+        rf"^\| ({number}) \| ({number}) \| ({number}) \| {number} \| ({number}) \|$",
+        checkpoint,
+        re.M,
+    )
+    assert save, checkpoint
+    pause, write, during, generate = (float(v) for v in save.groups())
+    assert pause >= 0 and write > 0 and during > 0 and generate > 0, save.groups()
+    assert re.search(r"^reply: \S", checkpoint, re.M), checkpoint
