@@ -1,6 +1,8 @@
 """`auto` takes only a backend whose start-up forward+backward probe passed, and says why."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -200,3 +202,46 @@ def test_a_varlen_attn_with_enable_gqa_is_told_so_and_needs_no_verdict(monkeypat
     )
     assert select.resolve_attn_impl("torch_varlen", "cpu", torch.bfloat16) == "torch_varlen"
     assert attention._varlen_native_gqa == {}, "no grouped-heads probe for a kernel that says"
+
+
+def test_an_inference_process_never_imports_the_compiler() -> None:
+    """``generate``, ``chat`` and ``export`` import the model, pick its backend (the probes
+    included) and run it eagerly: none of that needs torch._dynamo, whose import cost each of
+    them a second. (Training imports it anyway: torch's custom ops, the fused loss head's
+    among them, import it at their first call.)"""
+    code = """
+import sys
+import torch
+from nedolm.model import build_model, generate, packed_layout, preset, resolve_attn_impl
+assert resolve_attn_impl("auto", "cpu") == "sdpa"  # the forward+backward probes
+model = build_model(preset("tiny", vocab_size=64, max_seq_len=32))
+ids = torch.randint(3, 64, (1, 16))
+ids[0, 7] = 2
+cu_seqlens, position_ids = packed_layout(ids, 2)
+model(ids, cu_seqlens=cu_seqlens, max_seqlen=8, position_ids=position_ids)
+list(generate(model, [5, 6, 7], max_new_tokens=4))
+assert "torch._dynamo" not in sys.modules, "torch._dynamo was imported"
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_backend_first_resolved_inside_a_compiled_function_is_probed_eagerly(
+    monkeypatch,
+) -> None:
+    """A probe traced by dynamo would compare traced values, not run its kernels."""
+    compiling = []
+    run_probe = select._run_probe
+
+    def recording_probe(*args):
+        compiling.append(torch.compiler.is_compiling())
+        return run_probe(*args)
+
+    monkeypatch.setattr(select, "_run_probe", recording_probe)
+
+    def pick(x):
+        return x + 1 if select.resolve_attn_impl("auto", "cpu") == "sdpa" else x
+
+    assert torch.equal(torch.compile(pick, backend="eager")(torch.zeros(2)), torch.ones(2))
+    assert compiling == [False], compiling  # sdpa's forward+backward probe, once, eagerly
+    torch._dynamo.reset()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -66,8 +67,18 @@ def resolve_attn_impl(
     device, dtype = _normalize(device, dtype)
     name = _resolved.get((attn_impl, device, dtype))
     if name is None or (backward and attn_impl != "auto"):
-        name = _resolve_uncached(attn_impl, device, dtype, backward)
+        name = _eager_resolver()(attn_impl, device, dtype, backward)
     return name
+
+
+def _eager_resolver() -> Callable[[str, torch.device, torch.dtype, bool], str]:
+    """``_resolve_uncached``, kept out of any compiled trace: probes run their kernels even when
+    first reached from a compiled forward. Wrapped only then, not at import:
+    ``torch.compiler.disable`` imports torch._dynamo, a second of the start-up of every process
+    that never compiles (``generate``, ``chat``, ``export``)."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_resolve_uncached)
+    return _resolve_uncached
 
 
 def auto_order(device: torch.device | str) -> tuple[str, ...]:
@@ -109,7 +120,6 @@ def _normalize(
     return device, dtype
 
 
-@torch.compiler.disable  # probes run eagerly even when first reached from a compiled forward
 def _resolve_uncached(
     attn_impl: str, device: torch.device, dtype: torch.dtype, backward: bool
 ) -> str:
