@@ -1,5 +1,6 @@
 """Checkpoint cost on CPU: the training pause per checkpoint, synchronous vs asynchronous, and
-the load time of ``generate`` on the same run, before (whole file) vs after (model only).
+the load time of ``generate`` on the same run, before (whole file) vs after (model only,
+loaded into a model built without random init).
 
     python bench/checkpoint.py [--d-model 1024] [--layers 18] [--rounds 3]
 
@@ -20,11 +21,13 @@ Target: async pause <= 15% of the sync pause (medians).
 Then ``generate``'s load of that run dir, timed alternately, page cache warm for both:
 
 * before: the newest checkpoint verified whole (``latest_checkpoint``), read again verified
-  whole and mapped (``load_checkpoint``), weights loaded: what ``generate`` did before;
+  whole and mapped (``load_checkpoint``), weights loaded into a freshly initialised model: what
+  ``generate`` did before;
 * after: ``newest_model_checkpoint`` (the model tensors alone read and verified, mapped; the
-  optimizer state never read), weights loaded: what ``generate`` does now.
+  optimizer state never read), weights loaded into a model built without random init
+  (``build_model(cfg, init_weights=False)``): what ``generate`` does now.
 
-Both build the model the same way; the tokenizer (the same for both) is left out.
+The tokenizer (the same for both) is left out.
 """
 
 from __future__ import annotations
@@ -111,17 +114,19 @@ def _prepare(root: Path, args: argparse.Namespace) -> Path:
     return path
 
 
-def _model_for(payload: dict) -> torch.nn.Module:
+def _model_for(payload: dict, *, init_weights: bool) -> torch.nn.Module:
     trained = payload["contract"]["training"]["recipe"]["model_config"]
-    return build_model(ModelConfig(**{**trained, "morph_dispatch": "sparse", "attn_impl": "sdpa"}))
+    cfg = ModelConfig(**{**trained, "morph_dispatch": "sparse", "attn_impl": "sdpa"})
+    return build_model(cfg, init_weights=init_weights)
 
 
 def _load_before(run_dir: Path) -> torch.nn.Module:
-    """What generate did before: the whole file verified twice, the weights from the mapping."""
+    """What generate did before: the whole file verified twice, a freshly initialised model
+    given the weights from the mapping."""
     path = latest_checkpoint(run_dir)
     assert path is not None
     payload = load_checkpoint(path)
-    model = _model_for(payload)
+    model = _model_for(payload, init_weights=True)
     model.load_state_dict(payload["model"])
     return model
 
@@ -131,7 +136,7 @@ def _load_after(run_dir: Path) -> torch.nn.Module:
     newest = newest_model_checkpoint(run_dir)
     assert newest is not None
     path, payload = newest
-    model = _model_for(payload)
+    model = _model_for(payload, init_weights=False)
     load_model_weights(path, payload, model)
     return model
 
@@ -183,7 +188,7 @@ def main() -> None:
         ("async save: training pause", staged),
         ("async save: background write", written),
         ("generate weights before (whole file)", old_loads),
-        ("generate weights after (model only)", new_loads),
+        ("generate weights after (model only, no random init)", new_loads),
     ]
     print(f"{'measure':<36}{'median s':>10}  all")
     for name, values in rows:

@@ -214,7 +214,9 @@ import sys
 import torch
 from nedolm.model import build_model, generate, packed_layout, preset, resolve_attn_impl
 assert resolve_attn_impl("auto", "cpu") == "sdpa"  # the forward+backward probes
-model = build_model(preset("tiny", vocab_size=64, max_seq_len=32))
+trained = build_model(preset("tiny", vocab_size=64, max_seq_len=32)).state_dict()
+model = build_model(preset("tiny", vocab_size=64, max_seq_len=32), init_weights=False)
+model.load_state_dict(trained)  # as generate, chat and export load a checkpoint
 ids = torch.randint(3, 64, (1, 16))
 ids[0, 7] = 2
 cu_seqlens, position_ids = packed_layout(ids, 2)

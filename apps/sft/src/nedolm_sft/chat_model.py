@@ -154,7 +154,8 @@ def _load_run(run_dir: Path) -> ChatModel:
         raise click.ClickException(f"{checkpoint} is not an SFT checkpoint (no sft_config)")
     sft = payload["sft_config"]
     trained = payload["contract"]["training"]["recipe"]["model_config"]
-    model = build_model(ModelConfig(**{**trained, "morph_dispatch": "sparse", "attn_impl": "sdpa"}))
+    chat_cfg = ModelConfig(**{**trained, "morph_dispatch": "sparse", "attn_impl": "sdpa"})
+    model = build_model(chat_cfg, init_weights=False)  # every weight is loaded next
     load_model_weights(checkpoint, payload, model)
     return _with_corpus_tokenizer(model, Path(sft["data_dir"]), checkpoint)
 
@@ -167,7 +168,8 @@ def load_base_chat_model(base_run_dir: Path, data_dir: Path | None = None) -> Ch
         weights, state = read_base_weights(base_run_dir)
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc)) from exc
-    model = build_model(model_config(base, morph_dispatch="sparse", attn_impl="sdpa"))
+    chat_cfg = model_config(base, morph_dispatch="sparse", attn_impl="sdpa")
+    model = build_model(chat_cfg, init_weights=False)
     model.load_state_dict(state)
     del state  # nothing of the checkpoint stays mapped
     if data_dir is not None:

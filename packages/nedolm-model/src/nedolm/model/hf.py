@@ -122,7 +122,7 @@ def load_hf(out_dir: str | Path, **overrides: object) -> MorphTransformer:
     if not weights_path.is_file():
         raise ExportFormatError(f"{weights_path}: missing")
     state = load_file(str(weights_path))
-    model = build_model(cfg)
+    model = build_model(cfg, init_weights=False)
     try:
         model.load_state_dict(state)
     except RuntimeError as err:

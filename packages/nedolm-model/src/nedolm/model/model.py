@@ -130,25 +130,39 @@ class Block(nn.Module):
 class MorphTransformer(nn.Module):
     """Decoder-only LM; see the module docstring. Build it with `build_model(cfg)`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, init_weights: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         self.grad_checkpoint = False  # recompute each block in backward to save activations
         self._compiled_blocks: list[nn.Module] = []  # see compile_blocks
-        self.tok_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        # A given weight skips nn.Embedding's own normal_ draw, which on the meta device
+        # imports torch._dynamo (a second of start-up for a process that never compiles).
+        unset = None if init_weights else torch.empty(cfg.padded_vocab_size, cfg.d_model)
+        self.tok_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.d_model, _weight=unset)
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = None
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
-        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", None, persistent=False)  # set by reset_buffers
+        self.register_buffer("rope_sin", None, persistent=False)
         if cfg.n_morph_classes:
             # Saved with the weights: the routing is part of the model, not of the tokenizer.
-            classes = torch.full((cfg.padded_vocab_size,), cfg.n_morph_classes - 1)
+            classes = torch.empty(cfg.padded_vocab_size, dtype=torch.long)
             self.register_buffer("morph_classes", classes)
-        self.reset_parameters()
+        if init_weights:  # else build_model sets the buffers once the model has memory
+            self.reset_buffers()
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The rotary tables, and every id routed to the last morph class (until
+        `set_morph_classes` or a checkpoint says otherwise)."""
+        cfg, device = self.cfg, self.tok_embeddings.weight.device
+        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        if cfg.n_morph_classes:
+            self.morph_classes.fill_(cfg.n_morph_classes - 1)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -373,6 +387,18 @@ def target_rows(labels_T: Tensor, target_index: Tensor | None) -> tuple[Tensor, 
     return index_N, targets_N
 
 
-def build_model(cfg: ModelConfig) -> MorphTransformer:
-    """Construct a freshly initialised model on the current default device."""
-    return MorphTransformer(cfg)
+def build_model(cfg: ModelConfig, *, init_weights: bool = True) -> MorphTransformer:
+    """Construct a model on the current default device, freshly initialised.
+
+    ``init_weights=False``: the parameters are allocated but not set (the buffers are), for
+    loading a whole state dict into, strictly: random draws that the load overwrites take
+    seconds for nedolm-0.8b on a CPU (``generate``, ``chat`` and ``export`` wait for them).
+    """
+    if init_weights:
+        return MorphTransformer(cfg)
+    device = torch.get_default_device()
+    with torch.device("meta"):  # no memory, no draws (torch's own layer init included)
+        model = MorphTransformer(cfg, init_weights=False)
+    model.to_empty(device=device)
+    model.reset_buffers()
+    return model
