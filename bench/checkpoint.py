@@ -190,10 +190,11 @@ def main() -> None:
         ("generate weights before (whole file)", old_loads),
         ("generate weights after (model only, no random init)", new_loads),
     ]
-    print(f"{'measure':<36}{'median s':>10}  all")
+    width = max(len(name) for name, _ in rows)
+    print(f"{'measure':<{width}}{'median s':>10}  all")
     for name, values in rows:
         listed = " ".join(f"{v:.2f}" for v in values)
-        print(f"{name:<36}{statistics.median(values):>10.2f}  {listed}")
+        print(f"{name:<{width}}{statistics.median(values):>10.2f}  {listed}")
     pause_ratio = statistics.median(staged) / statistics.median(sync)
     load_ratio = statistics.median(new_loads) / statistics.median(old_loads)
     verdict = "OK" if pause_ratio <= TARGET else "OVER"
