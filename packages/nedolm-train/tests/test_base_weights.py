@@ -8,11 +8,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from nedolm.dist import get_info
 from nedolm.model import build_model
 from nedolm.train.base import init_base, model_config
 from nedolm.train.base_weights import SAFETENSORS_WEIGHTS, load_base_state, read_base_weights
 from nedolm.train.checkpoint import CheckpointError, load_checkpoint
-from nedolm.train.config import load_run_config
+from nedolm.train.config import load_run_config, load_sft_config
+from nedolm.train.setup import prepare_run
 
 SMALL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}
 
@@ -58,3 +60,21 @@ def test_an_unreadable_safetensors_file_is_named(tmp_path: Path) -> None:
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
     with pytest.raises(CheckpointError, match=f"cannot read base weights {bad}"):
         load_base_state(bad)
+
+
+def test_a_fresh_run_starts_from_exactly_the_base(harness, tmp_path, corpus, base_run) -> None:
+    """The trainer builds its model without random draws (the base overwrites every weight,
+    then rank 0 broadcasts it): what it trains is the base bit for bit, with the rotary tables
+    a freshly built model has."""
+    cfg = load_sft_config(
+        harness.write_config(tmp_path / "sft.yaml", corpus, base_run, tmp_path / "run")
+    )
+    cfg.run_dir.mkdir()
+    model = prepare_run(cfg, get_info(), allow_compile=False).state.model
+    state, (_, base) = model.state_dict(), read_base_weights(base_run)
+    assert state.keys() == base.keys()
+    for name, tensor in base.items():
+        assert torch.equal(state[name], tensor.to(state[name].dtype)), name
+    fresh = build_model(model.cfg)
+    assert torch.equal(model.rope_cos, fresh.rope_cos)
+    assert torch.equal(model.rope_sin, fresh.rope_sin)
