@@ -160,6 +160,12 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
 
 
+def measured_steps(plan: Plan, run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(c)'s timed step records (the first ``plan.steps``) and their steady part, the last 2/3."""
+    records = [r for r in step_records(run_dir) if r["step"] <= plan.steps]
+    return records, records[len(records) // 3 :] or records
+
+
 def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
     """(c): the real run; returns its steady tokens/s. ``keep`` gets its log, metrics and
     profile."""
@@ -177,8 +183,7 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
             for path in sorted((config.with_suffix("") / "profile").glob("*/rank0.*")):
                 shutil.copy(path, keep / f"profile-{path.name}")
     wall = time.monotonic() - started
-    records = [r for r in step_records(config.with_suffix("")) if r["step"] <= plan.steps]
-    steady = records[len(records) // 3 :] or records
+    records, steady = measured_steps(plan, config.with_suffix(""))
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfu = [r["mfu"] for r in steady if "mfu" in r]
     log = (config.with_suffix("") / "train.log").read_text(encoding="utf-8")
@@ -210,14 +215,14 @@ def checkpoint_section(plan: Plan, run_dir: Path) -> None:
     from nedolm.train.checkpoint import CHECKPOINT_DIR
     from nedolm.train.metrics import read_metrics
 
-    records = read_metrics(run_dir)
-    saves = [r for r in records if r.get("kind") == "checkpoint"]
+    saves = [r for r in read_metrics(run_dir) if r.get("kind") == "checkpoint"]
     if not saves:
         raise RuntimeError(f"{run_dir / 'metrics.jsonl'} has no checkpoint record")
     save = saves[-1]
-    step_s = {r["step"]: r["sec_per_step"] for r in records if "tokens_per_s" in r}
-    steady = statistics.median(step_s[step] for step in range(2, plan.steps + 1) if step in step_s)
-    during = step_s.get(save["step"] + 1)
+    steady = statistics.median(r["sec_per_step"] for r in measured_steps(plan, run_dir)[1])
+    during = next(
+        (r["sec_per_step"] for r in step_records(run_dir) if r["step"] == save["step"] + 1), None
+    )
     files = (run_dir / CHECKPOINT_DIR).rglob("*")
     size = sum(path.stat().st_size for path in files if path.is_file())
     started = time.monotonic()
