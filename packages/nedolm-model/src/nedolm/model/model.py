@@ -128,7 +128,10 @@ class Block(nn.Module):
 
 
 class MorphTransformer(nn.Module):
-    """Decoder-only LM; see the module docstring. Build it with `build_model(cfg)`."""
+    """Decoder-only LM; see the module docstring. Build it with `build_model(cfg)`.
+
+    `init_weights=False` leaves every parameter and buffer unset: `build_model` constructs so on
+    the meta device, then gives the model memory and its buffers."""
 
     def __init__(self, cfg: ModelConfig, *, init_weights: bool = True) -> None:
         super().__init__()
