@@ -51,6 +51,7 @@ from nedolm.model import (
 )
 from nedolm.model.attention import set_varlen_native_gqa
 from nedolm.model.attn_select import auto_order
+from nedolm.model.config import MORPH_DISPATCHES
 from nedolm.train.flops import flops_per_token, peak_bf16_flops
 
 TARGET_FRACTION, EOS_ID = 0.4, 2
@@ -169,14 +170,16 @@ def throughput(
     args: argparse.Namespace,
     peak_tflops: float,
     label: str,
+    batch: tuple[torch.Tensor, torch.Tensor, dict],
 ) -> tuple[str, StepTime]:
-    """(the table row, the step's median and spread)."""
+    """(the table row, the step's median and spread) of training on ``batch``, the
+    (input_ids, labels, layout) that every row shares."""
     model = build(cfg, backend, args.device)
     if compiled:
         model.compile_blocks()  # as the trainer does; not fullgraph: older flash-attn builds break
     fused = args.device == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
-    input_ids, labels, layout, _ = packed_rows(cfg, args.batch, args.seq_len, args.device)
+    input_ids, labels, layout = batch
 
     def step() -> None:
         with torch.autocast(args.device, dtype=torch.bfloat16):
@@ -233,7 +236,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--dispatch", default="masked", choices=["masked", "sparse", "grouped"])
+    parser.add_argument("--dispatch", default="masked", choices=MORPH_DISPATCHES)
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak")
     parser.add_argument("--budget-s", type=float, default=420, help="skip configs after this")
     parser.add_argument(
@@ -269,7 +272,7 @@ def main() -> None:
     with torch.device("meta"):  # count without allocating
         n_params = build_model(cfg).num_params()
     print(f"## Training step, {args.preset} ({n_params / 1e9:.2f}B params, {args.dispatch})")
-    segments = packed_rows(cfg, args.batch, args.seq_len, "cpu")[3]
+    *batch, segments = packed_rows(cfg, args.batch, args.seq_len, args.device)
     print(
         f"{args.batch}x{args.seq_len} packed tokens, {TARGET_FRACTION:.0%} targets, bf16 autocast; "
         f"conversations of the real corpus' lengths: {len(segments)} segments, median "
@@ -290,7 +293,7 @@ def main() -> None:
         try:
             with context():
                 row, step_s[label, compiled] = throughput(
-                    row_cfg, backend, compiled, args, peak, label
+                    row_cfg, backend, compiled, args, peak, label, tuple(batch)
                 )
             print(row, flush=True)
         except torch.OutOfMemoryError:

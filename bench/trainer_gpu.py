@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from nedolm.model.config import ATTN_IMPLS, MORPH_DISPATCHES
 from nedolm.train.profiling import ProfileSummary, summarize
 from nedolm.train.testing import sft_paths
 
@@ -160,9 +161,10 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
 
 
-def measured_steps(plan: Plan, run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(c)'s timed step records (the first ``plan.steps``) and their steady part, the last 2/3."""
-    records = [r for r in step_records(run_dir) if r["step"] <= plan.steps]
+def measured_steps(plan: Plan, steps: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Of the run's step records, (c)'s timed ones (the first ``plan.steps``) and their steady
+    part, the last 2/3."""
+    records = [r for r in steps if r["step"] <= plan.steps]
     return records, records[len(records) // 3 :] or records
 
 
@@ -183,7 +185,7 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
             for path in sorted((config.with_suffix("") / "profile").glob("*/rank0.*")):
                 shutil.copy(path, keep / f"profile-{path.name}")
     wall = time.monotonic() - started
-    records, steady = measured_steps(plan, config.with_suffix(""))
+    records, steady = measured_steps(plan, step_records(config.with_suffix("")))
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfu = [r["mfu"] for r in steady if "mfu" in r]
     log = (config.with_suffix("") / "train.log").read_text(encoding="utf-8")
@@ -219,10 +221,9 @@ def checkpoint_section(plan: Plan, run_dir: Path) -> None:
     if not saves:
         raise RuntimeError(f"{run_dir / 'metrics.jsonl'} has no checkpoint record")
     save = saves[-1]
-    steady = statistics.median(r["sec_per_step"] for r in measured_steps(plan, run_dir)[1])
-    during = next(
-        (r["sec_per_step"] for r in step_records(run_dir) if r["step"] == save["step"] + 1), None
-    )
+    steps = step_records(run_dir)
+    steady = statistics.median(r["sec_per_step"] for r in measured_steps(plan, steps)[1])
+    during = next((r["sec_per_step"] for r in steps if r["step"] == save["step"] + 1), None)
     files = (run_dir / CHECKPOINT_DIR).rglob("*")
     size = sum(path.stat().st_size for path in files if path.is_file())
     started = time.monotonic()
@@ -477,12 +478,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--dispatch",
-        choices=["masked", "sparse", "grouped"],
+        choices=MORPH_DISPATCHES,
         help="train.morph_dispatch of (c) (default: the preset's)",
     )
     parser.add_argument(
         "--attn-impl",
-        choices=["auto", "flash", "torch_varlen", "flex", "sdpa"],
+        choices=ATTN_IMPLS,
         help="train.attn_impl of (c) (default: the base's, auto)",
     )
     args = parser.parse_args()
