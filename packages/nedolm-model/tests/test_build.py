@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nedolm.model import build_model
 
@@ -55,3 +57,43 @@ def test_building_without_init_leaves_the_random_stream_alone(make_config) -> No
     after = torch.rand(4)
     torch.manual_seed(0)
     assert torch.equal(after, torch.rand(4))
+
+
+class _CPUAllocations(TorchDispatchMode):
+    """Element counts of the tensors that ops produce on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                self.numels.append(tensor.numel())
+        return out
+
+
+def test_a_model_built_for_a_device_is_never_allocated_on_the_host(make_config) -> None:
+    """A trainer on a GPU builds there: no host copy of the weights to move. The meta device
+    stands in for the GPU; only the rotary tables are computed on the host, by design."""
+    cfg = make_config()
+    with _CPUAllocations() as host:
+        model = build_model(cfg, init_weights=False, device="meta")
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+    assert max(host.numels) <= cfg.max_seq_len * cfg.head_dim  # a rope table at most
+    assert cfg.padded_vocab_size * cfg.d_model > cfg.max_seq_len * cfg.head_dim
+
+
+def test_the_device_given_wins_over_the_default_and_the_tables_do_not_move(make_config) -> None:
+    """Built for the CPU under a meta default device: everything real, and the rotary tables are
+    bit-equal to a plain build (computed on the host wherever the model lives)."""
+    cfg = make_config()
+    plain = build_model(cfg, init_weights=False)
+    with torch.device("meta"):
+        model = build_model(cfg, init_weights=False, device="cpu")
+        fresh = build_model(cfg, device="cpu")
+    for built in (model, fresh):
+        assert {t.device.type for t in [*built.parameters(), *built.buffers()]} == {"cpu"}
+        assert torch.equal(built.rope_cos, plain.rope_cos)
+        assert torch.equal(built.rope_sin, plain.rope_sin)

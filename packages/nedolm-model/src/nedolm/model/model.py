@@ -390,16 +390,21 @@ def target_rows(labels_T: Tensor, target_index: Tensor | None) -> tuple[Tensor, 
     return index_N, targets_N
 
 
-def build_model(cfg: ModelConfig, *, init_weights: bool = True) -> MorphTransformer:
-    """Construct a model on the current default device, freshly initialised.
+def build_model(
+    cfg: ModelConfig, *, init_weights: bool = True, device: torch.device | str | None = None
+) -> MorphTransformer:
+    """Construct a model on `device` (default: torch's default device), freshly initialised.
 
     ``init_weights=False``: the parameters are allocated but not set (the buffers are), for
     loading a whole state dict into, strictly: random draws that the load overwrites take
     seconds for nedolm-0.8b on a CPU (``generate``, ``chat`` and ``export`` wait for them).
+    The memory is allocated on `device` directly: a trainer on a GPU needs no host copy of
+    the model to move there.
     """
+    device = torch.get_default_device() if device is None else torch.device(device)
     if init_weights:
-        return MorphTransformer(cfg)
-    device = torch.get_default_device()
+        with device:
+            return MorphTransformer(cfg)
     with torch.device("meta"):  # no memory, no draws (torch's own layer init included)
         model = MorphTransformer(cfg, init_weights=False)
     model.to_empty(device=device)

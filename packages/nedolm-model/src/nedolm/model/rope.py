@@ -18,11 +18,16 @@ from torch import Tensor
 def rope_table(
     head_dim: int, max_seq_len: int, theta: float, scaling: dict[str, Any] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [max_seq_len, head_dim] in float32; `scaling` is a llama3 rope_scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    """cos/sin tables [max_seq_len, head_dim] in float32; `scaling` is a llama3 rope_scaling.
+
+    Computed on the CPU whatever the default device: a model built on a GPU gets the same bits
+    as one built on the host and moved there (float64 cos/sin may round differently on a GPU).
+    """
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (theta ** (steps / head_dim))
     if scaling is not None:
         inv_freq = llama3_inv_freq(inv_freq, scaling)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device="cpu"), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().float(), angles.sin().float()
 

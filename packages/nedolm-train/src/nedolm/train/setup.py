@@ -169,12 +169,14 @@ def prepare_run(
 
     torch.manual_seed(cfg.train.seed)
     # No random draws (seconds for nedolm-0.8b, on every rank): rank 0 loads every weight from
-    # the base below and broadcasts them, or every rank loads them from the checkpoint.
+    # the base below and broadcasts them, or every rank loads them from the checkpoint. Built
+    # on the rank's device: no host copy to move there.
     base_model = all_rank_call(
-        info, "build model", lambda: build_model(model_cfg, init_weights=False)
+        info,
+        "build model",
+        lambda: build_model(model_cfg, init_weights=False, device=info.device),
     )
     base_model.grad_checkpoint = cfg.train.grad_checkpoint
-    base_model.to(info.device)
     resume_path = main_rank_call(
         info,
         "find latest SFT checkpoint",
