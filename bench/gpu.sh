@@ -9,6 +9,8 @@
 #      checkpoint's training pause and write, and `nedolm-sft generate` from it;
 #   d. transformers' LlamaForCausalLM of the same dense shape;
 #   e. `nedolm-sft launch --nproc-per-node 1` with ddp and fsdp (NCCL).
+# (b)'s process and (c)'s run are traced (TORCH_TRACE): bench/compile_trace.py tabulates where
+# each one's compile time went.
 # Every table goes to one file (--out, default bench/gpu_results.md) and to stdout.
 # Runs from a plain checkout: the five src folders go on PYTHONPATH (no install); needs torch,
 # numpy, pyyaml, click, safetensors, tokenizers, msgspec; transformers for (d), flash-attn optional.
@@ -65,11 +67,16 @@ fi
 # given after `--` still wins (argparse keeps the last one).
 backend_file=$(mktemp)
 dispatch_file=$(mktemp)
-trap 'rm -f "$backend_file" "$dispatch_file"' EXIT
+model_trace=$(mktemp -d)  # (b)'s compile phases, to set beside (c)'s warm-up (compile_trace.py)
+trap 'rm -rf "$backend_file" "$dispatch_file" "$model_trace"' EXIT
 model_args+=(--faster-backend-to "$backend_file" --faster-dispatch-to "$dispatch_file")
 
 status=0
-timeout 145 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 | tee -a "$out" || status=1
+TORCH_TRACE=$model_trace timeout 145 "$PYTHON" bench/model_gpu.py "${model_args[@]}" 2>&1 |
+    tee -a "$out" || status=1
+"$PYTHON" bench/compile_trace.py "$model_trace" \
+    --title "b. compile time by phase, every compiled row above (TORCH_TRACE)" | tee -a "$out" ||
+    status=1
 timeout 35 "$PYTHON" bench/loss_gpu.py "${loss_args[@]}" 2>&1 | tee -a "$out" || status=1
 [[ -s $backend_file ]] && trainer_args+=(--attn-impl "$(<"$backend_file")")
 [[ -s $dispatch_file ]] && trainer_args+=(--dispatch "$(<"$dispatch_file")")

@@ -41,6 +41,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import compile_trace  # bench/, beside this script
 import torch
 import yaml
 
@@ -81,10 +82,13 @@ def plan_for(args: argparse.Namespace) -> Plan:
     return Plan("cuda", "nedolm-0.8b", {}, 4096, 4, args.steps, True, 5, inputs)
 
 
-def sft(*args: str, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``nedolm-sft ARGS`` in a subprocess (the checkout's sources, as gpu.sh exports them)."""
+def sft(
+    *args: str, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``nedolm-sft ARGS`` in a subprocess (the checkout's sources, as gpu.sh exports them),
+    with ``env`` added to this process's environment."""
     cmd = [sys.executable, "-m", "nedolm_sft", *args]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
@@ -172,8 +176,9 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
     """(c): the real run; returns its steady tokens/s. ``keep`` gets its log, metrics and
     profile."""
     started = time.monotonic()
+    trace = config.with_suffix("") / "compile_trace"  # compile_trace.py's input
     try:
-        sft("run", str(config), timeout=420)
+        sft("run", str(config), timeout=420, env={"TORCH_TRACE": str(trace)})
     finally:
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
@@ -200,7 +205,7 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
     for line in log.splitlines():
         if any(key in line for key in ("attn_impl", "recompil", "graph break")):
             print(f"    {line.split('] ')[-1]}")
-    print()
+    print(f"\n### c. compile time by phase (TORCH_TRACE)\n\n{compile_trace.summary(trace)}\n")
     after_first = statistics.median(r["tokens_per_s"] for r in records[1:] or records)
     print("| first step s | steady step s | tokens/s (median, last 2/3) "
           "| tokens/s (median, all but the first) | MFU |")  # fmt: skip

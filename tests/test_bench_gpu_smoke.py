@@ -13,8 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 SECTIONS = (
     "## Backend agreement vs sdpa",  # a
     "## Training step, tiny",  # b
+    "### b. compile time by phase, every compiled row above (TORCH_TRACE)",
     "## Loss head: 204 target rows of 512",
     "## c. `nedolm-sft run`, tiny",
+    "### c. compile time by phase (TORCH_TRACE)",
     "### c. checkpoint at step 7 (",
     "### c. trainer vs the model step alone",
     "### c. torch.profiler: top-15 CPU ops (no CUDA device",
@@ -50,6 +52,8 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     assert head, text
     assert all(float(e) < 1e-5 for e in head.groups()), head.groups()  # float32 on CPU
     assert re.search(r"^\| ddp \| ok, 1 steps \|", text, re.M), text
+    # (b)'s compiled rows are in its compile table: the block's graph, traced by the process.
+    assert re.search(r"^\| \d+/\d+ \| forward \| forward \| \d+ \| [\d.]+ \|", text, re.M), text
     # (b) compares the compiled step of each backend and each morph dispatch, and (c) runs with
     # the fastest (on a CPU only sdpa trains).
     backend = re.search(

@@ -1,0 +1,99 @@
+"""Where a process's torch.compile time went, from the structured trace that ``TORCH_TRACE=DIR``
+makes torch write (the files tlparse reads): one row per compiled graph, forward and backward.
+
+    python bench/compile_trace.py DIR [--title TEXT]
+
+bench/gpu.sh traces (b) and (c) this way: on the H200, (c)'s compile warm-up took 62-76 s while
+(b) compiled the same block in 7-10 s, and neither log said which phase took the time (dynamo's
+trace, AOTAutograd, inductor's code generation, Triton's kernel builds) or whether a cache hit.
+The metrics are torch's own ``compilation_metrics`` records; a field an older torch lacks prints
+as "-".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RECORDS = ("compilation_metrics", "bwd_compilation_metrics")
+
+
+def compilations(trace_dir: Path) -> list[dict]:
+    """Every compilation_metrics record under ``trace_dir``, in the order they were written, each
+    with ``pass`` set to "forward" or "backward"."""
+    found = []
+    for path in sorted(trace_dir.glob("*.log")):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            for name in RECORDS:
+                start = line.find('{"' + name + '"')
+                if start >= 0:
+                    record = json.loads(line[start:])[name]
+                    record["pass"] = "backward" if name.startswith("bwd") else "forward"
+                    found.append(record)
+    return found
+
+
+def _seconds(record: dict, key: str) -> str:
+    """A duration field, in seconds whichever unit torch wrote it in."""
+    if record.get(key + "_s") is not None:
+        return f"{record[key + '_s']:.1f}"
+    if record.get(key + "_us") is not None:
+        return f"{record[key + '_us'] / 1e6:.1f}"
+    return "-"
+
+
+def _cache(record: dict) -> str:
+    """Inductor's FX graph cache and AOTAutograd's cache: hits/misses, local and remote."""
+    parts = []
+    for label, prefix in (("fx", "inductor_fx"), ("aot", "aotautograd")):
+        hits = sum(
+            record.get(f"{prefix}_{where}_cache_hit_count") or 0 for where in ("local", "remote")
+        )
+        misses = sum(
+            record.get(f"{prefix}_{where}_cache_miss_count") or 0 for where in ("local", "remote")
+        )
+        if hits or misses:
+            parts.append(f"{label} {hits} hit/{misses} miss")
+    return ", ".join(parts) or "-"
+
+
+def table(records: list[dict]) -> str:
+    """Markdown: one row per compiled graph, then the total."""
+    lines = [
+        "| compile id | pass | frame | graph ops | whole s | AOTAutograd s | inductor s "
+        "| code gen s | Triton builds s | caches |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    total_us = 0
+    for r in records:
+        total_us += r.get("duration_us") or 0
+        frame = f"{r['co_name']}" if r.get("co_name") else "-"
+        whole = "entire_frame_compile_time" if r["pass"] == "forward" else "duration"
+        lines.append(
+            f"| {r.get('compile_id', '-')} | {r['pass']} | {frame} "
+            f"| {r.get('graph_op_count') or '-'} | {_seconds(r, whole)} "
+            f"| {_seconds(r, 'backend_compile_time')} | {_seconds(r, 'inductor_compile_time')} "
+            f"| {_seconds(r, 'code_gen_time')} | {_seconds(r, 'triton_compile_time')} "
+            f"| {_cache(r)} |"
+        )
+    lines.append(f"\n{len(records)} compiled graph(s), {total_us / 1e6:.1f} s in all")
+    return "\n".join(lines)
+
+
+def summary(trace_dir: Path) -> str:
+    """The table, or why there is none."""
+    records = compilations(trace_dir) if trace_dir.is_dir() else []
+    return table(records) if records else f"no compilation recorded under {trace_dir}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace_dir", type=Path)
+    parser.add_argument("--title", default="compile time by phase (TORCH_TRACE)")
+    args = parser.parse_args()
+    print(f"### {args.title}\n\n{summary(args.trace_dir)}\n")
+
+
+if __name__ == "__main__":
+    main()
