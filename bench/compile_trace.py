@@ -59,19 +59,22 @@ def _cache(record: dict) -> str:
 
 
 def table(records: list[dict]) -> str:
-    """Markdown: one row per compiled graph, then the total."""
+    """Markdown: one row per compiled graph (its start counted from the first's), then the
+    total."""
     lines = [
-        "| compile id | pass | frame | graph ops | whole s | AOTAutograd s | inductor s "
-        "| code gen s | Triton builds s | caches |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| started at s | compile id | pass | frame | graph ops | whole s | AOTAutograd s "
+        "| inductor s | code gen s | Triton builds s | caches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     total_us = 0
+    first = min((r["start_time"] for r in records if r.get("start_time")), default=None)
     for r in records:
         total_us += r.get("duration_us") or 0
         frame = f"{r['co_name']}" if r.get("co_name") else "-"
         whole = "entire_frame_compile_time" if r["pass"] == "forward" else "duration"
+        started = f"{r['start_time'] - first:.1f}" if r.get("start_time") and first else "-"
         lines.append(
-            f"| {r.get('compile_id', '-')} | {r['pass']} | {frame} "
+            f"| {started} | {r.get('compile_id', '-')} | {r['pass']} | {frame} "
             f"| {r.get('graph_op_count') or '-'} | {_seconds(r, whole)} "
             f"| {_seconds(r, 'backend_compile_time')} | {_seconds(r, 'inductor_compile_time')} "
             f"| {_seconds(r, 'code_gen_time')} | {_seconds(r, 'triton_compile_time')} "

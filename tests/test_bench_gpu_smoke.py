@@ -53,7 +53,9 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     assert all(float(e) < 1e-5 for e in head.groups()), head.groups()  # float32 on CPU
     assert re.search(r"^\| ddp \| ok, 1 steps \|", text, re.M), text
     # (b)'s compiled rows are in its compile table: the block's graph, traced by the process.
-    assert re.search(r"^\| \d+/\d+ \| forward \| forward \| \d+ \| [\d.]+ \|", text, re.M), text
+    assert re.search(
+        r"^\| [\d.]+ \| \d+/\d+ \| forward \| forward \| \d+ \| [\d.]+ \|", text, re.M
+    ), text
     # (b) compares the compiled step of each backend and each morph dispatch, and (c) runs with
     # the fastest (on a CPU only sdpa trains).
     backend = re.search(
