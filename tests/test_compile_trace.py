@@ -43,11 +43,14 @@ def test_each_compiled_graph_is_a_row_with_its_phases_and_cache_use(tmp_path: Pa
     table = reader.summary(tmp_path / "cold")
     rows = [line for line in table.splitlines() if "| 0/0 |" in line]
     assert rows[0].startswith("| 0.0 |")  # the first compile starts the clock
-    assert len(rows) == 2 and "fx 0 hit/1 miss" in rows[0], table
-    assert "2 compiled graph(s)" in table
+    assert len(rows) == 2 and "2 compiled graph(s)" in table, table
     warm = reader.table(reader.compilations(tmp_path / "warm"))
-    # AOTAutograd's cache hands back both passes, each from inductor's cache: nothing compiled.
-    assert "aot 1 hit/0 miss" in warm and "backward" not in warm, warm
+    if "inductor_fx_local_cache_miss_count" in cold[0]:  # torch >= 2.11 counts cache use
+        assert "fx 0 hit/1 miss" in rows[0], table
+        # AOTAutograd's cache hands back both passes, each from inductor's: nothing compiled.
+        assert "aot 1 hit/0 miss" in warm and "backward" not in warm, warm
+    else:  # torch 2.10 records no counts: the column says so rather than "0 hits"
+        assert all(row.endswith("| - |") for row in rows), table
     assert (
         reader.summary(tmp_path / "absent")
         == f"no compilation recorded under {tmp_path / 'absent'}"
