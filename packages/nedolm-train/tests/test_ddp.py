@@ -3,6 +3,10 @@ world size refused on resume, and a failure injected on one rank raised on every
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -53,3 +57,33 @@ def test_compile_failure_on_one_rank_falls_back_to_eager_everywhere(harness, mak
     assert warning in job.output(0) and warning not in job.output(1)
     state = load_checkpoint(latest_checkpoint(job.run_dir))
     assert state["contract"]["execution"]["effective_compile"] is False
+
+
+HOLD_THE_ERROR = """
+import gc, sys
+from pathlib import Path
+from nedolm.model import MorphTransformer
+from nedolm.train.config import load_sft_config
+from nedolm.train.trainer import run
+try:
+    run(load_sft_config(Path(sys.argv[1])), compile=False)
+except Exception as exc:  # held while reported, as the CLI holds it
+    gc.collect()
+    alive = sum(isinstance(obj, MorphTransformer) for obj in gc.get_objects())
+    print(f"{type(exc).__name__}: {alive} model(s) alive")
+"""
+
+
+def test_a_failed_run_keeps_no_model_alive_while_its_error_is_reported(make_config, tmp_path):
+    """The failing rank's error is raised from its cause, whose frames held the (DDP) model: it
+    outlived the process group and its teardown at exit could abort the rank (SIGABRT instead
+    of exit 1, seen once in the test above). Every frame of the error's chain is released
+    before the group goes."""
+    config = make_config("held", train={"grad_accum_steps": 1, "max_steps": 3, "ckpt_interval": 2})
+    env = {**os.environ, "NEDOLM_TEST_FAULT": "checkpoint_write@0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", HOLD_THE_ERROR, str(config)],
+        capture_output=True, text=True, env=env, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "RankError: 0 model(s) alive", proc.stdout + proc.stderr[-3000:]

@@ -66,7 +66,7 @@ def run(
         with run_dir_lock(info, cfg.run_dir), _deterministic_on_cpu(info.device):
             _train(cfg, info, stop, smoke_steps=smoke_steps, compile=compile)
     except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)  # frames would keep the DDP model alive
+        _release_frames(exc)  # they would keep the DDP model alive past its process group
         if isinstance(exc, KeyboardInterrupt):
             if info.is_main:
                 log.warning("aborted by a second SIGINT: %s", left_behind(cfg.run_dir))
@@ -75,6 +75,32 @@ def run(
         raise
     finally:
         cleanup()  # collects the DDP reducer and loader iterators before the group goes
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Let the training state go while ``exc`` is still being reported (a DDP reducer that
+    outlives its gloo group can abort the process at exit: SIGABRT instead of exit 1).
+
+    Clears the local variables of every finished frame ``exc`` holds. The errors under it (a
+    rank's failure is raised from its cause, by ``all_rank_call``) also lose their tracebacks:
+    a frame keeps its function, and a closure's cells (the trainer's state) survive clearing.
+    Their stacks stay readable as a note (Python >= 3.11 prints it under the error).
+    """
+    traceback.clear_frames(exc.__traceback__)
+    pending, seen = [exc.__cause__, exc.__context__], {id(exc)}
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        pending += [error.__cause__, error.__context__]
+        if error.__traceback__ is None:
+            continue
+        stack = "".join(traceback.format_tb(error.__traceback__))
+        traceback.clear_frames(error.__traceback__)
+        error.__traceback__ = None
+        if hasattr(error, "add_note"):
+            error.add_note(f"its traceback (most recent call last):\n{stack.rstrip()}")
 
 
 def _train(
