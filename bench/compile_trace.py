@@ -20,8 +20,8 @@ RECORDS = ("compilation_metrics", "bwd_compilation_metrics")
 
 
 def compilations(trace_dir: Path) -> list[dict]:
-    """Every compilation_metrics record under ``trace_dir``, in the order they were written, each
-    with ``pass`` set to "forward" or "backward"."""
+    """Every compilation_metrics record under ``trace_dir`` (one file per traced process), by
+    start time, each with ``pass`` set to "forward" or "backward"."""
     found = []
     for path in sorted(trace_dir.glob("*.log")):
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -31,7 +31,7 @@ def compilations(trace_dir: Path) -> list[dict]:
                     record = json.loads(line[start:])[name]
                     record["pass"] = "backward" if name.startswith("bwd") else "forward"
                     found.append(record)
-    return found
+    return sorted(found, key=lambda record: record.get("start_time") or 0.0)
 
 
 def _seconds(record: dict, key: str) -> str:
