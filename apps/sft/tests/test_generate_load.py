@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from nedolm.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from nedolm.train.testing import LaunchedJob, init_tiny_base, write_stop_test_config
-from nedolm_sft.chat_model import load_chat_model
+from nedolm_sft.chat_model import Placement, load_chat_model
 
 pytestmark = pytest.mark.slow
 SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
@@ -70,3 +71,28 @@ def test_generate_reads_the_model_only_and_keeps_nothing_mapped(
     with pytest.raises(CheckpointError, match=re.escape(f"{path} is corrupt: model tensors")):
         load_chat_model(run_dir)
     assert _held(path) == []
+
+
+@pytest.mark.parametrize("kind", ["sft run", "base run"])
+def test_a_model_loaded_in_half_precision_has_the_checkpoint_rounded(
+    trained: Path, corpus: Path, kind: str
+) -> None:
+    """``generate --dtype bfloat16`` (the default on a GPU) copies the mapped float32 weights
+    straight into a bf16 model on its device: bit for bit the model that loading in float32 and
+    rounding gave, buffers included."""
+    path, data_dir = (trained, None) if kind == "sft run" else (trained.parent / "base", corpus)
+    rounded = load_chat_model(path, data_dir).model.to(torch.bfloat16)
+    half = Placement(torch.device("cpu"), torch.bfloat16)
+    direct = load_chat_model(path, data_dir, half).model
+    want = {**dict(rounded.named_parameters()), **dict(rounded.named_buffers())}
+    got = {**dict(direct.named_parameters()), **dict(direct.named_buffers())}
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert direct.tok_embeddings.weight.dtype == torch.bfloat16
+    # Built where it will run (the meta device standing in for a GPU; loading copies nothing).
+    meta = Placement(torch.device("meta"), torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*to a meta parameter in the current model")
+        elsewhere = load_chat_model(path, data_dir, meta)
+    assert {p.device.type for p in elsewhere.model.parameters()} == {"meta"}

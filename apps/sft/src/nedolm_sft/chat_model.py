@@ -43,6 +43,34 @@ EXPORT_SIDECAR = "nedolm"
 """Export subdirectory with the corpus specials and the original tokenizer file."""
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a loaded model lives and in which floating dtype."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+
+HOST = Placement(torch.device("cpu"), torch.float32)
+"""The checkpoints' own layout: no conversion."""
+
+
+def resolve_placement(device: str, dtype: str) -> Placement:
+    """``--device`` and ``--dtype`` ("auto": CUDA when there is one, then bfloat16 on CUDA and
+    float32 on CPU)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        target = torch.device(device)
+    except RuntimeError as exc:
+        raise click.UsageError(f"--device {device}: {exc}") from exc
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError(f"--device {device}: this torch build sees no CUDA device")
+    if dtype == "auto":
+        dtype = "bfloat16" if target.type == "cuda" else "float32"
+    return Placement(target, getattr(torch, dtype))
+
+
 @dataclass
 class ChatModel:
     model: MorphTransformer
@@ -61,22 +89,6 @@ class ChatModel:
     @property
     def layout(self) -> ConversationLayout:
         return ConversationLayout.from_specials(self.specials)
-
-    def place(self, device: str, dtype: str) -> ChatModel:
-        """Move the model to ``device`` in ``dtype`` ("auto": CUDA when there is one, then
-        bfloat16 on CUDA and float32 on CPU); returns ``self``."""
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            target = torch.device(device)
-        except RuntimeError as exc:
-            raise click.UsageError(f"--device {device}: {exc}") from exc
-        if target.type == "cuda" and not torch.cuda.is_available():
-            raise click.UsageError(f"--device {device}: this torch build sees no CUDA device")
-        if dtype == "auto":
-            dtype = "bfloat16" if target.type == "cuda" else "float32"
-        self.model.to(device=target, dtype=getattr(torch, dtype))
-        return self
 
     def reply(
         self,
@@ -115,13 +127,17 @@ class ChatModel:
                 shown = text
 
 
-def load_chat_model(path: Path, data_dir: Path | None = None) -> ChatModel:
+def load_chat_model(
+    path: Path, data_dir: Path | None = None, placement: Placement = HOST
+) -> ChatModel:
     """Load from an export directory (has config.json), a base run (has config.yaml) or an SFT
     run directory (has checkpoints).
 
     Args:
         data_dir: a prepared corpus whose tokenizer and specials a base run uses (required for a
             base run that names no tokenizer, as ``init-base`` writes); refused for other kinds.
+        placement: the model's device and dtype. A run's weights are copied from the mapped
+            checkpoint straight into the model there (no float32 copy on the host first).
     """
     if not path.is_dir():
         raise click.ClickException(f"{path} is not a directory (expected a run or export dir)")
@@ -131,17 +147,23 @@ def load_chat_model(path: Path, data_dir: Path | None = None) -> ChatModel:
             f"(or its export); for a base run, pass the corpus as --data-dir"
         )
     if (path / BASE_CONFIG_FILE).is_file():
-        return load_base_chat_model(path, data_dir)
+        return load_base_chat_model(path, data_dir, placement)
     if data_dir is not None:
         raise click.UsageError(
             f"--data-dir is for base runs; {path} is an SFT run or export and brings its tokenizer"
         )
     if (path / "config.json").is_file():
-        return _load_export(path)
-    return _load_run(path)
+        return _load_export(path, placement)
+    return _load_run(path, placement)
 
 
-def _load_run(run_dir: Path) -> ChatModel:
+def _empty_model(cfg: ModelConfig, placement: Placement) -> MorphTransformer:
+    """A model to load every weight into, allocated where it will run; a state dict's float32
+    tensors are rounded into it as ``Tensor.to`` rounds them."""
+    return build_model(cfg, init_weights=False, device=placement.device).to(placement.dtype)
+
+
+def _load_run(run_dir: Path, placement: Placement) -> ChatModel:
     # Only the model tensors are read (mapped) and verified, never the optimizer state.
     newest = newest_model_checkpoint(run_dir)
     if newest is None:
@@ -155,12 +177,19 @@ def _load_run(run_dir: Path) -> ChatModel:
     sft = payload["sft_config"]
     trained = payload["contract"]["training"]["recipe"]["model_config"]
     chat_cfg = ModelConfig(**{**trained, "morph_dispatch": "sparse", "attn_impl": "sdpa"})
-    model = build_model(chat_cfg, init_weights=False)  # every weight is loaded next
-    load_model_weights(checkpoint, payload, model)
+    if checkpoint.is_dir():  # sharded (FSDP): DCP reads into the host model, then it moves
+        model = build_model(chat_cfg, init_weights=False)
+        load_model_weights(checkpoint, payload, model)
+        model.to(placement.device, placement.dtype)
+    else:
+        model = _empty_model(chat_cfg, placement)  # every weight is loaded next
+        load_model_weights(checkpoint, payload, model)
     return _with_corpus_tokenizer(model, Path(sft["data_dir"]), checkpoint)
 
 
-def load_base_chat_model(base_run_dir: Path, data_dir: Path | None = None) -> ChatModel:
+def load_base_chat_model(
+    base_run_dir: Path, data_dir: Path | None = None, placement: Placement = HOST
+) -> ChatModel:
     """A base run's model (newest checkpoint or model.safetensors) with a corpus's tokenizer, or
     without ``data_dir`` the tokenizer the base run names (``import-hf`` copies it in)."""
     base = load_run_config(base_run_dir / BASE_CONFIG_FILE)
@@ -169,7 +198,7 @@ def load_base_chat_model(base_run_dir: Path, data_dir: Path | None = None) -> Ch
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc)) from exc
     chat_cfg = model_config(base, morph_dispatch="sparse", attn_impl="sdpa")
-    model = build_model(chat_cfg, init_weights=False)
+    model = _empty_model(chat_cfg, placement)
     model.load_state_dict(state)
     del state  # nothing of the checkpoint stays mapped
     if data_dir is not None:
@@ -191,11 +220,11 @@ def _with_corpus_tokenizer(model: MorphTransformer, data_dir: Path, source: Path
     return ChatModel(model.eval(), tokenizer, specials, source)
 
 
-def _load_export(export_dir: Path) -> ChatModel:
+def _load_export(export_dir: Path, placement: Placement) -> ChatModel:
     sidecar = export_dir / EXPORT_SIDECAR
     specials = read_special_tokens(sidecar)
     tokenizer = load_tokenizer(sidecar / Path(specials.tokenizer.file).name)
-    model = load_hf(export_dir, attn_impl="sdpa")
+    model = load_hf(export_dir, attn_impl="sdpa").to(placement.device, placement.dtype)
     return ChatModel(model.eval(), tokenizer, specials, export_dir)
 
 

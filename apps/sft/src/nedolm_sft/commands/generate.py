@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from nedolm_sft.chat_model import ChatModel, load_chat_model
+from nedolm_sft.chat_model import ChatModel, load_chat_model, resolve_placement
 
 data_dir_option = click.option(
     "--data-dir",
@@ -119,7 +119,7 @@ def generate(
     Example:
       nedolm-sft generate runs/sft-demo --prompt "Türkiye'nin başkenti neresidir?"
     """
-    chat = load_chat_model(model_dir, data_dir).place(device, dtype)
+    chat = load_chat_model(model_dir, data_dir, resolve_placement(device, dtype))
     history = [("system", system)] if system else []
     stream_reply(chat, [*history, ("user", prompt)], **sampling)
 
@@ -141,7 +141,7 @@ def chat(
     Example:
       nedolm-sft chat exports/sft-demo --temperature 0.7 --top-p 0.9
     """
-    model = load_chat_model(model_dir, data_dir).place(device, dtype)
+    model = load_chat_model(model_dir, data_dir, resolve_placement(device, dtype))
     start = [("system", system)] if system else []
     history = list(start)
     click.echo(f"chatting with {model.source} (empty line to quit, /reset to start over)")
