@@ -59,18 +59,18 @@ def test_building_without_init_leaves_the_random_stream_alone(make_config) -> No
     assert torch.equal(after, torch.rand(4))
 
 
-class _CPUAllocations(TorchDispatchMode):
-    """Element counts of the tensors that ops produce on the CPU."""
+class _CPUOutputs(TorchDispatchMode):
+    """(op name, element count) of each tensor that an op produces on the CPU."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.numels: list[int] = []
+        self.outputs: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
-                self.numels.append(tensor.numel())
+                self.outputs.append((func.overloadpacket.__name__, tensor.numel()))
         return out
 
 
@@ -78,10 +78,10 @@ def test_a_model_built_for_a_device_is_never_allocated_on_the_host(make_config) 
     """A trainer on a GPU builds there: no host copy of the weights to move. The meta device
     stands in for the GPU; only the rotary tables are computed on the host, by design."""
     cfg = make_config()
-    with _CPUAllocations() as host:
+    with _CPUOutputs() as host:
         model = build_model(cfg, init_weights=False, device="meta")
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
-    assert max(host.numels) <= cfg.max_seq_len * cfg.head_dim  # a rope table at most
+    assert max(n for _, n in host.outputs) <= cfg.max_seq_len * cfg.head_dim  # a rope table
     assert cfg.padded_vocab_size * cfg.d_model > cfg.max_seq_len * cfg.head_dim
 
 
@@ -97,3 +97,25 @@ def test_the_device_given_wins_over_the_default_and_the_tables_do_not_move(make_
         assert {t.device.type for t in [*built.parameters(), *built.buffers()]} == {"cpu"}
         assert torch.equal(built.rope_cos, plain.rope_cos)
         assert torch.equal(built.rope_sin, plain.rope_sin)
+
+
+@pytest.mark.parametrize("init_weights", [False, True], ids=["empty", "initialised"])
+def test_a_model_built_in_a_dtype_is_the_model_converted(make_config, init_weights) -> None:
+    """``dtype`` gives what ``.to(dtype)`` gives (rotary tables included); an empty model is
+    allocated in it, not converted from float32 (for generate on a GPU: no float32 model of
+    uninitialised memory to round)."""
+    cfg = make_config()
+    torch.manual_seed(0)
+    converted = build_model(cfg, init_weights=init_weights).to(torch.bfloat16)
+    torch.manual_seed(0)
+    with _CPUOutputs() as host:
+        built = build_model(cfg, init_weights=init_weights, dtype=torch.bfloat16)
+    assert built.tok_embeddings.weight.dtype == torch.bfloat16
+    assert torch.equal(built.rope_cos, converted.rope_cos)
+    assert torch.equal(built.rope_sin, converted.rope_sin)
+    if init_weights:
+        for name, tensor in converted.state_dict().items():
+            assert torch.equal(built.state_dict()[name], tensor), name
+    else:
+        conversions = [n for op, n in host.outputs if op == "_to_copy"]
+        assert max(conversions) <= cfg.max_seq_len * cfg.head_dim  # the rotary tables only

@@ -160,7 +160,7 @@ def load_chat_model(
 def _empty_model(cfg: ModelConfig, placement: Placement) -> MorphTransformer:
     """A model to load every weight into, allocated where it will run; a state dict's float32
     tensors are rounded into it as ``Tensor.to`` rounds them."""
-    return build_model(cfg, init_weights=False, device=placement.device).to(placement.dtype)
+    return build_model(cfg, init_weights=False, device=placement.device, dtype=placement.dtype)
 
 
 def _load_run(run_dir: Path, placement: Placement) -> ChatModel:
@@ -177,13 +177,11 @@ def _load_run(run_dir: Path, placement: Placement) -> ChatModel:
     sft = payload["sft_config"]
     trained = payload["contract"]["training"]["recipe"]["model_config"]
     chat_cfg = ModelConfig(**{**trained, "morph_dispatch": "sparse", "attn_impl": "sdpa"})
-    if checkpoint.is_dir():  # sharded (FSDP): DCP reads into the host model, then it moves
-        model = build_model(chat_cfg, init_weights=False)
-        load_model_weights(checkpoint, payload, model)
-        model.to(placement.device, placement.dtype)
-    else:
-        model = _empty_model(chat_cfg, placement)  # every weight is loaded next
-        load_model_weights(checkpoint, payload, model)
+    # Every weight is loaded next. A sharded (FSDP) checkpoint is read by DCP into a host model
+    # in its own layout, then moved; `to` does nothing to a model built where it runs.
+    model = _empty_model(chat_cfg, HOST if checkpoint.is_dir() else placement)
+    load_model_weights(checkpoint, payload, model)
+    model.to(placement.device, placement.dtype)
     return _with_corpus_tokenizer(model, Path(sft["data_dir"]), checkpoint)
 
 

@@ -391,22 +391,30 @@ def target_rows(labels_T: Tensor, target_index: Tensor | None) -> tuple[Tensor, 
 
 
 def build_model(
-    cfg: ModelConfig, *, init_weights: bool = True, device: torch.device | str | None = None
+    cfg: ModelConfig,
+    *,
+    init_weights: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> MorphTransformer:
-    """Construct a model on `device` (default: torch's default device), freshly initialised.
+    """Construct a model on `device` (default: torch's default device), freshly initialised;
+    `dtype` converts its floating parameters and buffers as ``Module.to(dtype)`` does.
 
     ``init_weights=False``: the parameters are allocated but not set (the buffers are), for
     loading a whole state dict into, strictly: random draws that the load overwrites take
     seconds for nedolm-0.8b on a CPU (``generate``, ``chat`` and ``export`` wait for them).
-    The memory is allocated on `device` directly: a trainer on a GPU needs no host copy of
-    the model to move there.
+    The memory is allocated on `device` in `dtype` directly: a trainer on a GPU needs no host
+    copy of the model to move there, ``generate`` no float32 copy to convert.
     """
     device = torch.get_default_device() if device is None else torch.device(device)
     if init_weights:
         with device:
-            return MorphTransformer(cfg)
-    with torch.device("meta"):  # no memory, no draws (torch's own layer init included)
-        model = MorphTransformer(cfg, init_weights=False)
-    model.to_empty(device=device)
-    model.reset_buffers()
-    return model
+            model = MorphTransformer(cfg)
+    else:
+        with torch.device("meta"):  # no memory, no draws (torch's own layer init included)
+            model = MorphTransformer(cfg, init_weights=False)
+        if dtype is not None:
+            model.to(dtype)  # on the meta device: nothing is converted
+        model.to_empty(device=device)
+        model.reset_buffers()
+    return model if dtype is None else model.to(dtype)  # the rotary tables, when not yet
