@@ -1,13 +1,19 @@
-"""Compile warm-up: each block on its own (the trainer's way) vs the whole model in one graph.
+"""Compile warm-up: each block on its own (the trainer's way) vs the whole model in one graph,
+and a resume's warm-up with the run's compile cache.
 
     python bench/compile.py [--runs 2] [--steps 5] [--layers 24] [--seq-len 512] [--device cpu]
 
 nedolm-0.8b's depth (24 blocks) at a narrow width (d_model 256), so the CPU measures what
 depth costs the compiler: a whole-model ``torch.compile`` unrolls every block, compiled blocks
 share one traced graph. Each configuration runs in a fresh process with an empty inductor
-cache (a warm on-disk cache would hide the cost a user pays at every start and resume):
+cache (a warm on-disk cache would hide the cost a user pays at every start on a new machine):
 the first forward+backward (the warm-up the trainer logs), then the median training step
 (forward, backward, AdamW) on the same micro-batch. Medians over ``--runs`` processes.
+
+Then a resume, after each compiled-blocks process has saved its run's compile cache as the
+trainer does (``nedolm.train.compile_cache``): on another machine (an empty inductor cache,
+the run's cache loaded first, its load timed) and on the same machine (inductor's local
+cache as the first process left it, nothing loaded).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
@@ -29,6 +36,11 @@ LABELS = {
     "model": "whole model (`torch.compile(model)`)",
     "eager": "eager",
 }
+RESUMES = {
+    "blocks": "first start (empty inductor cache)",
+    "other_machine": "resumed on another machine (empty inductor cache, the run's compile cache)",
+    "same_machine": "resumed on the same machine (inductor's local cache, nothing loaded)",
+}
 
 
 def child(args: argparse.Namespace) -> dict[str, float]:
@@ -37,6 +49,7 @@ def child(args: argparse.Namespace) -> dict[str, float]:
 
     from nedolm.dist import DistInfo
     from nedolm.model import build_model, preset, resolve_attn_impl
+    from nedolm.train.compile_cache import load_compile_cache, save_compile_cache
     from nedolm.train.compiling import compile_and_warm_up, warmup_batch
     from nedolm.train.step import LossOptions, StepSettings, forward_backward
 
@@ -65,7 +78,9 @@ def child(args: argparse.Namespace) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
 
     start = time.perf_counter()
-    if args.child == "blocks":
+    if args.child == "other_machine":
+        load_compile_cache(args.run_dir)
+    if args.child not in ("model", "eager"):
         assert compile_and_warm_up(model, settings, args.micro_batch, args.seq_len)
     step()
     warmup_s = time.perf_counter() - start
@@ -74,18 +89,38 @@ def child(args: argparse.Namespace) -> dict[str, float]:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+    if args.child == "blocks":
+        save_compile_cache(args.run_dir)
     return {"warmup_s": warmup_s, "step_ms": 1e3 * statistics.median(times)}
 
 
-def measure(mode: str, args: argparse.Namespace) -> dict[str, float]:
-    """``mode`` in a fresh process with an empty inductor cache."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
-        argv = [sys.executable, __file__, "--child", mode, *forwarded(args)]
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+def measure(mode: str, args: argparse.Namespace, run_dir: Path, cache: Path) -> dict[str, float]:
+    """``mode`` in a fresh process whose inductor cache is ``cache``."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache)}
+    argv = [sys.executable, __file__, "--child", mode, "--run-dir", str(run_dir), *forwarded(args)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_all(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    """Every mode ``--runs`` times; each resume follows the compiled-blocks process whose run
+    directory (and, on the same machine, inductor cache) it starts from."""
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in (*MODES, *RESUMES)}
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir, first_cache = Path(tmp, "run"), Path(tmp, "machine-1")
+            starts = {
+                "blocks": first_cache,
+                "other_machine": Path(tmp, "machine-2"),
+                "same_machine": first_cache,
+                "model": Path(tmp, "machine-3"),
+                "eager": Path(tmp, "machine-4"),
+            }
+            for mode, cache in starts.items():
+                results[mode].append(measure(mode, args, run_dir, cache))
+    return results
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
@@ -103,12 +138,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=(*MODES, *RESUMES), help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return
-    results = {mode: [measure(mode, args) for _ in range(args.runs)] for mode in MODES}
+    results = measure_all(args)
     warmup = {
         mode: statistics.median(r["warmup_s"] for r in runs) for mode, runs in results.items()
     }
@@ -124,6 +160,10 @@ def main() -> None:
             f"| {LABELS[mode]} | {warmup[mode]:.1f} | {warmup[mode] / warmup['model']:.2f} | "
             f"{step[mode]:.0f} | {step[mode] / step['eager']:.2f} |"
         )
+    print("\n| compiled blocks | first step s (warm-up) | vs first start |")
+    print("|---|---|---|")
+    for mode, label in RESUMES.items():
+        print(f"| {label} | {warmup[mode]:.1f} | {warmup[mode] / warmup['blocks']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Layout of a run directory::
     checkpoints/step-00000100/      the same, sharded (FSDP; see nedolm.train.sharded)
     archives/model-00000100.pt      weights + metadata only, on a wall-clock cadence
     run_metadata.json               one entry per start of the job
+    compile_cache.bin               torch.compile's kernels, for a start elsewhere (compile_cache)
 
 Every file is written to a hidden temporary name in its final directory, fsynced, renamed over
 its final name and the directory fsynced: a name matching ``step-*.pt`` is therefore always a

@@ -46,6 +46,14 @@ def dynamo_counts() -> tuple[int, int]:
     return counters["frames"]["ok"], sum(counters["graph_break"].values())
 
 
+def inductor_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of inductor's graph cache in this process so far: a hit is a graph whose
+    kernels were compiled before (by this machine, or by the run's compile cache)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
 class _RecompileLog:
     """Logs each compilation after the warm-up: there should be none but the ``expected``
     ones (FSDP makes each block an instance of a new class, which the first step traces once
@@ -153,6 +161,7 @@ def compile_and_warm_up(
         log.info("compile warm-up started (%s, each block on its own)", compile_args)
         started = time.monotonic()
         frames, breaks = dynamo_counts()
+        hits, misses = inductor_cache_counts()
         maybe_inject("compile_warmup", info.rank)
         if not trace_longest_segment_dynamically():
             log.info("torch %s cannot trace max_seqlen dynamically", torch.__version__)
@@ -169,11 +178,15 @@ def compile_and_warm_up(
                 backend_error = _backend_failure(exc, model, mb, settings)
             raise
         frames_after, breaks_after = dynamo_counts()
+        hits_after, misses_after = inductor_cache_counts()
         log.info(
-            "compile warm-up done in %.1fs: %d frame(s) compiled, %d graph break(s)",
+            "compile warm-up done in %.1fs: %d frame(s) compiled, %d graph break(s); "
+            "inductor's cache: %d graph(s) found, %d compiled",
             time.monotonic() - started,
             frames_after - frames,
             breaks_after - breaks,
+            hits_after - hits,
+            misses_after - misses,
         )
         if breaks_after > breaks:
             log.warning("the compiled training forward breaks; TORCH_LOGS=graph_breaks says where")

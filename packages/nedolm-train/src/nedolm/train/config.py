@@ -121,6 +121,10 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     compile_mode: str = "default"
     compile_backend: str = "inductor"
     """torch.compile backend; 'aot_eager' compiles the graph without codegen (fast tests)."""
+    compile_cache: bool = True
+    """Keep the compiled kernels in the run directory (``compile_cache.bin``) and load them at
+    every start, so a resume on another machine skips compiling them. The file is code the run
+    executes, as inductor's own cache under /tmp is: off for a run directory from elsewhere."""
     grad_checkpoint: bool = False
     morph_dispatch: Literal["masked", "sparse", "grouped"] | None = None
     """Overrides the base model's morph_dispatch when set."""

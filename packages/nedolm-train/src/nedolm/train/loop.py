@@ -34,6 +34,7 @@ from nedolm.train.checkpoint import (
     save_checkpoint,
     save_model_archive,
 )
+from nedolm.train.compile_cache import save_compile_cache
 from nedolm.train.config import to_builtins
 from nedolm.train.contract import fingerprint
 from nedolm.train.faults import maybe_inject
@@ -69,6 +70,9 @@ class Trainer:
         self.job_start = time.monotonic()
         self.last_archive = time.monotonic()
         self.first_step = run.state.progress.step
+        self.keeps_compile_cache = (
+            t.compile_cache and run.contract["execution"]["effective_compile"]
+        )
         self.background = BackgroundWrite()  # rank 0's checkpoint write in flight, if any
         self.staged = run.staged
         self.async_save = t.async_checkpoint
@@ -137,6 +141,9 @@ class Trainer:
                 loss_window=self.loss_window,
             )
             self._account(done, result)
+            if done == self.first_step + 1 and self.keeps_compile_cache and run.info.is_main:
+                with self._untimed():  # every graph of the run is compiled by now
+                    save_compile_cache(run.cfg.run_dir)
             with self._untimed():  # nor is writing its files
                 self.profiler.after_step(done, last=result.stop)
             if run.audit is not None:

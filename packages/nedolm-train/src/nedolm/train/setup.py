@@ -59,6 +59,7 @@ from nedolm.train.base import (
     model_config,
 )
 from nedolm.train.checkpoint import resume_checkpoint, write_run_metadata
+from nedolm.train.compile_cache import load_compile_cache
 from nedolm.train.compiling import compile_and_warm_up
 from nedolm.train.config import RunConfig, SFTConfig, to_builtins
 from nedolm.train.contract import (
@@ -548,14 +549,17 @@ def _maybe_compile(
     settings: StepSettings,
     allow_compile: bool,
 ) -> bool:
-    """Compile the blocks and warm up on every rank (``compile_and_warm_up``); if any rank
-    fails to compile, every rank runs eagerly. True when the blocks run compiled.
+    """Compile the blocks and warm up on every rank (``compile_and_warm_up``), with the run's
+    compile cache loaded first (``compile_cache``); if any rank fails to compile, every rank
+    runs eagerly. True when the blocks run compiled.
 
     Runs before DDP so that a failed warm-up cannot strand a rank inside a DDP collective, and
     so that all ranks share one execution mode.
     """
     if not (cfg.train.compile and allow_compile):
         return False
+    if cfg.train.compile_cache:
+        load_compile_cache(cfg.run_dir)
     return compile_and_warm_up(
         base_model,
         settings,

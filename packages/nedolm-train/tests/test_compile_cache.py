@@ -1,0 +1,69 @@
+"""A compiled run keeps its kernels in the run directory: resumed where the machine's own
+inductor cache is empty (another node, a new container), the warm-up finds its graphs there
+instead of compiling them; a cache torch cannot read is named and costs only the compile.
+
+Each start is a real process with its own empty ``TORCHINDUCTOR_CACHE_DIR``, as on a fresh
+machine; inductor (not ``aot_eager``) compiles, as a user's run does.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+from nedolm.train.compile_cache import COMPILE_CACHE_FILE
+
+WARM_UP = re.compile(r"inductor's cache: (\d+) graph\(s\) found, (\d+) compiled")
+
+
+def _start(harness: SimpleNamespace, config: Path, inductor_cache: Path) -> str:
+    """One process on a machine whose inductor cache is ``inductor_cache``; its log."""
+    job = harness.Job(config, env={"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
+    job.wait_ok()
+    return job.output()
+
+
+def _found_and_compiled(output: str) -> tuple[int, int]:
+    match = WARM_UP.search(output)
+    assert match, output[-3000:]
+    return int(match[1]), int(match[2])
+
+
+def test_a_run_resumed_on_a_fresh_machine_finds_its_compiled_graphs_in_the_run_dir(
+    harness: SimpleNamespace, make_config, tmp_path: Path
+) -> None:
+    compiled = {"compile": True, "compile_backend": "inductor", "grad_accum_steps": 1}
+    config = make_config(train={**compiled, "max_steps": 2})
+    run_dir = config.with_suffix("")
+    cache = run_dir / COMPILE_CACHE_FILE
+
+    first = _start(harness, config, tmp_path / "machine-1")
+    found, compiled_graphs = _found_and_compiled(first)
+    assert found == 0 and compiled_graphs > 0, first[-3000:]
+    assert cache.is_file() and cache.stat().st_size > 0
+    assert not [p.name for p in run_dir.iterdir() if ".tmp-" in p.name]
+
+    # Extended on another machine: everything the warm-up needs comes from the run's cache.
+    config = make_config(train={**compiled, "max_steps": 3})
+    resumed = _start(harness, config, tmp_path / "machine-2")
+    assert "compile cache:" in resumed and "entries loaded from" in resumed, resumed[-3000:]
+    assert _found_and_compiled(resumed) == (compiled_graphs, 0), resumed[-3000:]
+
+    # A damaged cache: named, ignored, the warm-up compiles, the run trains and rewrites it.
+    damaged = cache.read_bytes()
+    cache.write_bytes(damaged[: len(damaged) // 2])
+    config = make_config(train={**compiled, "max_steps": 4})
+    after_damage = _start(harness, config, tmp_path / "machine-3")
+    assert f"{cache}: torch" in after_damage and "cannot read" in after_damage, after_damage
+    assert _found_and_compiled(after_damage) == (0, compiled_graphs), after_damage[-3000:]
+    assert "finished at step 4" in after_damage
+    rewritten = cache.read_bytes()
+    assert len(rewritten) > len(damaged) // 2
+
+    # train.compile_cache: false (a run directory from elsewhere): not loaded, not rewritten.
+    config = make_config(train={**compiled, "max_steps": 5, "compile_cache": False})
+    without = _start(harness, config, tmp_path / "machine-4")
+    assert "compile cache" not in without and "finished at step 5" in without, without[-3000:]
+    assert _found_and_compiled(without) == (0, compiled_graphs)
+    assert cache.read_bytes() == rewritten
