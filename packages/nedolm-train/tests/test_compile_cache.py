@@ -12,8 +12,14 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from nedolm.train.compile_cache import COMPILE_CACHE_FILE
 
+# Inductor's imports warn (in this process: the second test compiles here).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)
 WARM_UP = re.compile(r"inductor's cache: (\d+) graph\(s\) found, (\d+) compiled")
 
 
@@ -67,3 +73,31 @@ def test_a_run_resumed_on_a_fresh_machine_finds_its_compiled_graphs_in_the_run_d
     assert "compile cache" not in without and "finished at step 5" in without, without[-3000:]
     assert _found_and_compiled(without) == (0, compiled_graphs)
     assert cache.read_bytes() == rewritten
+
+
+def test_a_compile_cache_that_cannot_be_written_is_warned_about_and_training_needs_none(
+    tmp_path: Path, caplog
+) -> None:
+    """Where ``compile_cache.bin`` cannot be written (here a directory holds its name) the
+    save warns naming it, raises nothing and leaves no temporary file; the load skips what is
+    not a file. In a real process's own dir the same save writes a cache the load reads."""
+    import torch
+
+    from nedolm.train.compile_cache import load_compile_cache, save_compile_cache
+
+    torch.compile(lambda x: torch.sin(x) * 2)(torch.randn(8))  # something for torch to record
+    blocked = tmp_path / "blocked"
+    (blocked / COMPILE_CACHE_FILE).mkdir(parents=True)
+    with caplog.at_level("INFO", logger="nedolm.train.compile_cache"):
+        save_compile_cache(blocked)
+        load_compile_cache(blocked)
+    assert f"{blocked / COMPILE_CACHE_FILE}: compile cache not written" in caplog.text
+    assert sorted(p.name for p in blocked.iterdir()) == [COMPILE_CACHE_FILE]
+    assert "loaded" not in caplog.text
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="nedolm.train.compile_cache"):
+        save_compile_cache(tmp_path)
+        load_compile_cache(tmp_path)
+    assert (tmp_path / COMPILE_CACHE_FILE).is_file()
+    assert re.search(r"compile cache: [1-9]\d* entries loaded from", caplog.text), caplog.text
