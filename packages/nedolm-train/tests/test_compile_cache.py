@@ -21,6 +21,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
 )
 WARM_UP = re.compile(r"inductor's cache: (\d+) graph\(s\) found, (\d+) compiled")
+SAVED = re.compile(r"compile cache: (\d+) entries \([\d.]+ MB\) saved to ")
 
 
 def _start(harness: SimpleNamespace, config: Path, inductor_cache: Path) -> str:
@@ -34,6 +35,12 @@ def _found_and_compiled(output: str) -> tuple[int, int]:
     match = WARM_UP.search(output)
     assert match, output[-3000:]
     return int(match[1]), int(match[2])
+
+
+def _saved_entries(output: str) -> int:
+    match = SAVED.search(output)
+    assert match, output[-3000:]
+    return int(match[1])
 
 
 def test_a_run_resumed_on_a_fresh_machine_finds_its_compiled_graphs_in_the_run_dir(
@@ -55,6 +62,9 @@ def test_a_run_resumed_on_a_fresh_machine_finds_its_compiled_graphs_in_the_run_d
     resumed = _start(harness, config, tmp_path / "machine-2")
     assert "compile cache:" in resumed and "entries loaded from" in resumed, resumed[-3000:]
     assert _found_and_compiled(resumed) == (compiled_graphs, 0), resumed[-3000:]
+    # What it found is saved again (torch records a hit as it records a compile), so the
+    # rewritten cache is as complete as the first.
+    assert _saved_entries(resumed) == _saved_entries(first) > 0
 
     # A damaged cache: named, ignored, the warm-up compiles, the run trains and rewrites it.
     damaged = cache.read_bytes()

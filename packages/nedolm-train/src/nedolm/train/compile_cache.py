@@ -7,11 +7,12 @@ C++ or Triton kernel builds, every time. torch's portable cache
 (``torch.compiler.save_cache_artifacts``) serialises what this process compiled: inductor's
 graphs with their kernels, AOTAutograd's entries. Rank 0 writes it into the run directory
 after the first optimizer step (FSDP's one re-trace is done by then), and every start of the
-run loads it before its warm-up, so the warm-up finds its graphs in the local cache. On a GPU
-a graph's Triton kernels travel with it (torch bundles them by default); on a CPU its C++
-kernels are built again from the cached source, so there it saves code generation only
-(``bench/compile.py``: a resume's warm-up at ~0.8x a cold one, against ~0.15x with the
-machine's own cache).
+run loads it before its warm-up, so the warm-up finds its graphs in the local cache (a graph
+found is recorded again, so the file a resumed run rewrites is as complete as the first). On a
+GPU a graph's Triton kernels travel inside its entry (torch bundles them by default:
+``bundle_triton_into_fx_graph_cache``); on a CPU its C++ kernels are built again from the
+cached source, which is most of a CPU compile: there the file saves nothing measurable
+(``bench/compile.py``).
 
 The file is an optimisation, never a requirement: one torch cannot read (damaged, written by
 another torch) is named in a warning and the warm-up compiles as it would without it. Entries
