@@ -203,7 +203,7 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
     )
     print(f"{len(records)} steps, wall {wall:.0f} s with start-up; compile: {warmup}\n")
     for line in log.splitlines():
-        if any(key in line for key in ("attn_impl", "recompil", "graph break")):
+        if any(key in line for key in ("attn_impl", "recompil", "graph break", "compile cache")):
             print(f"    {line.split('] ')[-1]}")
     print(f"\n### c. compile time by phase (TORCH_TRACE)\n\n{compile_trace.summary(trace)}\n")
     after_first = statistics.median(r["tokens_per_s"] for r in records[1:] or records)
