@@ -43,16 +43,19 @@ def _seconds(record: dict, key: str) -> str:
     return "-"
 
 
+def _cache_count(record: dict, prefix: str, outcome: str) -> int:
+    """A cache's ``outcome`` ("hit" or "miss") count, local and remote together."""
+    return sum(
+        record.get(f"{prefix}_{where}_cache_{outcome}_count") or 0 for where in ("local", "remote")
+    )
+
+
 def _cache(record: dict) -> str:
     """Inductor's FX graph cache and AOTAutograd's cache: hits/misses, local and remote."""
     parts = []
     for label, prefix in (("fx", "inductor_fx"), ("aot", "aotautograd")):
-        hits = sum(
-            record.get(f"{prefix}_{where}_cache_hit_count") or 0 for where in ("local", "remote")
-        )
-        misses = sum(
-            record.get(f"{prefix}_{where}_cache_miss_count") or 0 for where in ("local", "remote")
-        )
+        hits = _cache_count(record, prefix, "hit")
+        misses = _cache_count(record, prefix, "miss")
         if hits or misses:
             parts.append(f"{label} {hits} hit/{misses} miss")
     return ", ".join(parts) or "-"

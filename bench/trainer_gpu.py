@@ -46,6 +46,7 @@ import torch
 import yaml
 
 from nedolm.model.config import ATTN_IMPLS, MORPH_DISPATCHES
+from nedolm.train.metrics import read_metrics
 from nedolm.train.profiling import ProfileSummary, summarize
 from nedolm.train.testing import sft_paths
 
@@ -158,11 +159,10 @@ def profiled(plan: Plan) -> dict:
     return {"profile": window, "ckpt_interval": checkpoint_step, "max_steps": checkpoint_step + 1}
 
 
-def step_records(run_dir: Path) -> list[dict]:
-    """The run's training-step records, read by the trainer's own metrics reader."""
-    from nedolm.train.metrics import read_metrics
-
-    return [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
+def step_records(records: list[dict]) -> list[dict]:
+    """The training-step records among a run's metrics (``read_metrics``, the trainer's own
+    reader)."""
+    return [r for r in records if "tokens_per_s" in r]
 
 
 def measured_steps(plan: Plan, steps: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -190,7 +190,7 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
             for path in sorted((config.with_suffix("") / "profile").glob("*/rank0.*")):
                 shutil.copy(path, keep / f"profile-{path.name}")
     wall = time.monotonic() - started
-    records, steady = measured_steps(plan, step_records(config.with_suffix("")))
+    records, steady = measured_steps(plan, step_records(read_metrics(config.with_suffix(""))))
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfu = [r["mfu"] for r in steady if "mfu" in r]
     log = (config.with_suffix("") / "train.log").read_text(encoding="utf-8")
@@ -220,13 +220,13 @@ def checkpoint_section(plan: Plan, run_dir: Path) -> None:
     """(c, continued): the run's one checkpoint (issue 25's targets on nedolm-0.8b: training
     pause <= 2 s, a reply from ``generate`` <= 10 s)."""
     from nedolm.train.checkpoint import CHECKPOINT_DIR
-    from nedolm.train.metrics import read_metrics
 
-    saves = [r for r in read_metrics(run_dir) if r.get("kind") == "checkpoint"]
+    metrics = read_metrics(run_dir)
+    saves = [r for r in metrics if r.get("kind") == "checkpoint"]
     if not saves:
         raise RuntimeError(f"{run_dir / 'metrics.jsonl'} has no checkpoint record")
     save = saves[-1]
-    steps = step_records(run_dir)
+    steps = step_records(metrics)
     steady = statistics.median(r["sec_per_step"] for r in measured_steps(plan, steps)[1])
     during = next((r["sec_per_step"] for r in steps if r["step"] == save["step"] + 1), None)
     files = (run_dir / CHECKPOINT_DIR).rglob("*")
@@ -458,7 +458,7 @@ def launch_section(plan: Plan, corpus: Path, base: Path, root: Path) -> None:
             print(f"| {parallelism} | FAILED: {reason} | | {time.monotonic() - started:.0f} |")
             failures.append(f"{parallelism}:\n{exc}")
             continue
-        records = step_records(config.with_suffix(""))
+        records = step_records(read_metrics(config.with_suffix("")))
         print(f"| {parallelism} | ok, {len(records)} steps | {records[-1]['tokens_per_s']:,.0f} "
               f"| {time.monotonic() - started:.0f} |")  # fmt: skip
     print()

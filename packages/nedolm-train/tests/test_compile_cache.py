@@ -31,16 +31,19 @@ def _start(harness: SimpleNamespace, config: Path, inductor_cache: Path) -> str:
     return job.output()
 
 
-def _found_and_compiled(output: str) -> tuple[int, int]:
-    match = WARM_UP.search(output)
+def _logged(line: re.Pattern[str], output: str) -> tuple[int, ...]:
+    """The numbers ``line`` captures in a run's log (which must have it)."""
+    match = line.search(output)
     assert match, output[-3000:]
-    return int(match[1]), int(match[2])
+    return tuple(int(number) for number in match.groups())
+
+
+def _found_and_compiled(output: str) -> tuple[int, ...]:
+    return _logged(WARM_UP, output)
 
 
 def _saved_entries(output: str) -> int:
-    match = SAVED.search(output)
-    assert match, output[-3000:]
-    return int(match[1])
+    return _logged(SAVED, output)[0]
 
 
 def test_a_run_resumed_on_a_fresh_machine_finds_its_compiled_graphs_in_the_run_dir(
