@@ -153,3 +153,50 @@ def test_a_dead_recorded_holder_is_taken_over_with_one_log_line_and_a_release_sa
         acquire_run_lock(tmp_path)
         release_run_lock(tmp_path)
         assert caplog.records == []
+
+
+_KILLED_WRITER = """
+import sys, time
+from pathlib import Path
+from nedolm.data.atomic import atomic_write
+from nedolm.train.run_lock import acquire_run_lock
+run_dir = Path(sys.argv[1])
+acquire_run_lock(run_dir)
+
+def write(handle):
+    handle.write(b"half a compile cache")
+    handle.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+
+atomic_write(run_dir / "compile_cache.bin", write)
+"""
+
+
+def test_temporaries_of_a_killed_write_are_removed_when_the_lock_is_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kept = [tmp_path / ".hidden", tmp_path / "checkpoints" / ".step-00000002.pt.tmp-1"]
+    kept[1].parent.mkdir()
+    for path in kept:
+        path.write_bytes(b"not this module's")  # checkpoints/ is the saves' to clean
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+        [temporary] = [p for p in tmp_path.iterdir() if p.name.startswith(".compile_cache.bin")]
+        _assert_refused_naming(tmp_path, writer.pid)
+        assert temporary.exists()  # a live job's write is left alone
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait(timeout=30)
+    with caplog.at_level(logging.INFO, logger="nedolm.train.run_lock"):
+        acquire_run_lock(tmp_path)
+    release_run_lock(tmp_path)
+    assert not temporary.exists() and not (tmp_path / "compile_cache.bin").exists()
+    assert all(path.exists() for path in kept)
+    assert (
+        f"run_dir {tmp_path}: removed 1 temporary file(s) left by a killed write: {temporary.name}"
+        in [record.getMessage() for record in caplog.records]
+    )

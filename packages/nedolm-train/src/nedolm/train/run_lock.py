@@ -17,7 +17,10 @@ descriptor.
 The file says who holds it, so that a refused job can name the holder: ``host H pid N`` while
 held, ``released by host H pid N`` after a clean finish. A job that gets the lock while the file
 still names a holder knows that holder ended without releasing (killed, node lost) and says so
-in one log line. Rank 0, the only rank that writes the run directory (``main_rank_call``), takes
+in one log line. The holder is the run directory's only writer, so the hidden temporary files a
+killed write left at its top (``nedolm.data.atomic``: the resolved config, the compile cache, the
+stop record) are deleted when the lock is taken (``checkpoints/`` is cleaned between saves, by
+``nedolm.train.checkpoint``). Rank 0, the only rank that writes the run directory (``main_rank_call``), takes
 the lock; a refusal is raised on every rank.
 """
 
@@ -32,6 +35,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from nedolm.data.atomic import is_temporary
 from nedolm.dist import DistInfo, main_rank_call
 
 log = logging.getLogger(__name__)
@@ -80,6 +84,7 @@ def acquire_run_lock(run_dir: Path) -> None:
         )
     _write(fd, _me())
     _held[run_dir.resolve()] = (fd, os.getpid())
+    _remove_temporaries(run_dir)
 
 
 def release_run_lock(run_dir: Path) -> None:
@@ -112,6 +117,21 @@ def run_dir_lock(info: DistInfo, run_dir: Path) -> Iterator[None]:
     finally:
         if info.is_main:
             release_run_lock(run_dir)
+
+
+def _remove_temporaries(run_dir: Path) -> None:
+    """Delete the temporary files at the top of ``run_dir``: with the lock taken, no live write
+    owns them."""
+    stale = sorted(p for p in run_dir.iterdir() if is_temporary(p) and p.is_file())
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        log.info(
+            "run_dir %s: removed %d temporary file(s) left by a killed write: %s",
+            run_dir,
+            len(stale),
+            ", ".join(p.name for p in stale),
+        )
 
 
 def _me() -> str:
