@@ -83,8 +83,9 @@ def _release_frames(exc: BaseException) -> None:
 
     Clears the local variables of every finished frame ``exc`` holds. The errors under it (a
     rank's failure is raised from its cause, by ``all_rank_call``) also lose their tracebacks:
-    a frame keeps its function, and a closure's cells (the trainer's state) survive clearing.
-    Their stacks stay readable as a note (Python >= 3.11 prints it under the error).
+    a frame keeps its function (Python >= 3.11), and a closure's cells (the trainer's state)
+    survive clearing. Their stacks stay readable as a note under the error. Python 3.10 prints
+    no notes, and its frames do not hold their function: there the cleared tracebacks stay.
     """
     traceback.clear_frames(exc.__traceback__)
     pending, seen = [exc.__cause__, exc.__context__], {id(exc)}
@@ -98,8 +99,8 @@ def _release_frames(exc: BaseException) -> None:
             continue
         stack = "".join(traceback.format_tb(error.__traceback__))
         traceback.clear_frames(error.__traceback__)
-        error.__traceback__ = None
         if hasattr(error, "add_note"):
+            error.__traceback__ = None
             error.add_note(f"its traceback (most recent call last):\n{stack.rstrip()}")
 
 
