@@ -5,12 +5,15 @@
 1. Backend agreement in bf16: every present attention backend (flash, torch_varlen, flex)
    against `sdpa` on the same packed rows: logits, fused-head loss and every gradient. Each
    backend runs on its own: one that fails prints its error row and the others still run.
-2. Training-step tokens/s and MFU of a preset (default nedolm-0.8b) at seq_len 4096 on rows
-   packed with conversations of the real corpus' lengths (bench/packing_lengths.json: ~20 a
-   row, most short; the attention kernels' work depends on it), 40% targets, for each backend
-   whose probe passed, eager and compiled (each block compiled on its own: one compiled graph
-   serves all blocks, so compile takes seconds, not minutes); a failing configuration prints
-   its error row. Right after `auto`'s backend come the variants under evaluation, compiled:
+2. Training-step tokens/s and MFU of a preset (default nedolm-0.8b) at seq_len 4096 on
+   micro-batches made as the trainer makes them: conversations of the real corpus' shapes and
+   lengths (bench/packing_lengths.json; the attention kernels' work depends on them) written as
+   a corpus, packed by the product's planner, drawn by its loader and turned into inputs by its
+   step; every row cycles through the same few, since one may hold a few long conversations and
+   the next a hundred short ones. For each backend whose probe passed, eager and compiled (each
+   block compiled on its own: one compiled graph serves all blocks, so compile takes seconds,
+   not minutes; the longest segment traced as a symbol, as the trainer does); a failing
+   configuration prints its error row. Right after `auto`'s backend come the variants under evaluation, compiled:
    `grouped` morph dispatch (grouped GEMMs, the FLOPs the MFU counts) against the preset's
    `masked`, and, when torch_varlen takes grouped KV heads unexpanded (torch 2.10/2.11 after
    its probe), torch_varlen with them copied per query head as before: each gain measured in
@@ -31,6 +34,7 @@ import contextlib
 import dataclasses
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,11 +43,11 @@ from typing import NamedTuple
 import torch
 
 from nedolm.data import synthetic
+from nedolm.data.loader import build_sft_loader
 from nedolm.model import (
     ModelConfig,
     attention_backends,
     build_model,
-    packed_layout,
     preset,
     probe_backends,
     resolve_attn_impl,
@@ -52,9 +56,10 @@ from nedolm.model import (
 from nedolm.model.attention import set_varlen_native_gqa
 from nedolm.model.attn_select import auto_order
 from nedolm.model.config import MORPH_DISPATCHES
+from nedolm.train.compiling import trace_longest_segment_dynamically
 from nedolm.train.flops import flops_per_token, peak_bf16_flops
+from nedolm.train.step import MicroBatch, to_micro_batch
 
-TARGET_FRACTION, EOS_ID = 0.4, 2
 LENGTHS_FILE = Path(__file__).with_name("packing_lengths.json")
 NOISE = 0.02  # a step time within 2% of another is not a measured difference
 
@@ -75,39 +80,34 @@ class StepTime(NamedTuple):
         return cls(median, (q3 - q1) / median)
 
 
-def conversation_lengths(n: int, seed: int) -> list[int]:
-    """Token lengths of ``n`` conversations drawn from the real chat corpus' histograms
-    (``bench/packing_lengths.json``: turns and per-role message lengths, real tokenizer)."""
-    params = json.loads(LENGTHS_FILE.read_text(encoding="utf-8"))
-    index, _ = synthetic.layout(synthetic.sample_conversations(params, n, seed))
-    return index["token_len"].tolist()
+def product_micro_batches(
+    batch: int, seq_len: int, device: str, count: int, seed: int = 0
+) -> list[MicroBatch]:
+    """``count`` micro-batches as the trainer gets them: conversations of the real corpus'
+    shapes and lengths (``bench/packing_lengths.json``, random token ids) written as a corpus,
+    planned by the product's packer, drawn by its loader and turned into model inputs by its
+    step (``nedolm.train.step.to_micro_batch``).
 
-
-def packed_rows(cfg: ModelConfig, batch: int, seq_len: int, device: str, seed: int = 0):
-    """Rows packed back to back with conversations of the real corpus' lengths, EOS-separated,
-    40% targets; one that overflows a row goes on at the start of the next (as a corpus's
-    continuation windows do), so no row ends in padding.
-
-    The segment count and lengths set the attention kernels' work: at seq_len 4096 the real
-    corpus puts ~20 conversations in a row, most of a few dozen tokens, a few of thousands.
+    The packer fills windows best-fit decreasing, so one micro-batch may hold a few long
+    conversations and the next a hundred short ones (the real corpus: ~86 per 4x4096 at the
+    median, the longest from 157 to 4,096 tokens).
     """
-    gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, cfg.vocab_size, (batch * seq_len,), generator=gen)
-    # Conversations of at least 4 tokens (header, end) fill the rows many times over.
-    ends = torch.tensor(conversation_lengths(batch * seq_len // 4, seed)).cumsum(0)
-    ends = ends[ends < batch * seq_len]
-    input_ids[ends - 1] = EOS_ID
-    input_ids = input_ids.view(batch, seq_len)
-    labels = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)
-    labels[torch.rand(batch, seq_len, generator=gen) >= TARGET_FRACTION] = -100
-    cu_seqlens, position_ids = packed_layout(input_ids, EOS_ID)
-    segments = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    layout = dict(
-        cu_seqlens=cu_seqlens.to(device),
-        max_seqlen=int(segments.max()),
-        position_ids=position_ids.to(device),
-    )
-    return input_ids.to(device), labels.to(device), layout, segments
+    params = json.loads(LENGTHS_FILE.read_text(encoding="utf-8"))
+    # Conversations average ~200 tokens: one per 16 tokens fills the micro-batches many times.
+    n = max(256, count * batch * seq_len // 16)
+    conversations = synthetic.sample_conversations(params, n, seed)
+    with tempfile.TemporaryDirectory(prefix="nedolm-bench-") as corpus:
+        synthetic.write_corpus(Path(corpus), [conversations], seed=seed)
+        loader, _ = build_sft_loader(corpus, seq_len, micro_batch_size=batch, seed=seed)
+        batches = iter(loader)
+        on = torch.device(device)
+        return [to_micro_batch(next(batches), on, synthetic.EOS_ID) for _ in range(count)]
+
+
+def model_inputs(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input_ids, labels, packing layout keywords) of ``mb``, as the model takes them."""
+    layout = dict(cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen, position_ids=mb.position_ids)
+    return mb.inputs, mb.labels, layout
 
 
 def build(cfg: ModelConfig, backend: str, device: str, state: dict | None = None):
@@ -135,7 +135,7 @@ def loss_grads_logits(model, input_ids, labels, layout, device: str):
 
 def agreement(cfg: ModelConfig, backends: list[str], seq_len: int, device: str) -> None:
     cfg = dataclasses.replace(cfg, n_layers=2)
-    batch = packed_rows(cfg, 2, seq_len, device, seed=1)[:3]
+    batch = model_inputs(product_micro_batches(2, seq_len, device, 1, seed=1)[0])
     ref_model = build(cfg, "sdpa", device)
     state = ref_model.state_dict()
     ref_loss, ref_grads, ref_logits = loss_grads_logits(ref_model, *batch, device)
@@ -170,18 +170,20 @@ def throughput(
     args: argparse.Namespace,
     peak_tflops: float,
     label: str,
-    batch: tuple[torch.Tensor, torch.Tensor, dict],
+    micro: list[MicroBatch],
 ) -> tuple[str, StepTime]:
-    """(the table row, the step's median and spread) of training on ``batch``, the
-    (input_ids, labels, layout) that every row shares."""
+    """(the table row, the step's median and spread) of training on ``micro``, the
+    micro-batches that every row shares: one untimed pass over them (compile, allocator), then
+    ``args.rounds`` timed ones. A step's time is its round's mean; the spread is the rounds'."""
     model = build(cfg, backend, args.device)
     if compiled:
+        trace_longest_segment_dynamically()  # as the trainer does: no recompile per batch
         model.compile_blocks()  # as the trainer does; not fullgraph: older flash-attn builds break
     fused = args.device == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
-    input_ids, labels, layout = batch
 
-    def step() -> None:
+    def step(mb: MicroBatch) -> None:
+        input_ids, labels, layout = model_inputs(mb)
         with torch.autocast(args.device, dtype=torch.bfloat16):
             loss, _ = model(input_ids, labels, return_logits=False, loss_reduction="sum", **layout)
         loss.backward()
@@ -189,20 +191,22 @@ def throughput(
         optimizer.zero_grad(set_to_none=True)
 
     start = time.perf_counter()
-    step()  # compile and allocator warm-up
+    step(micro[0])  # compile and allocator warm-up
     _sync(args.device)
     compile_s = time.perf_counter() - start if compiled else 0.0
-    step()
+    for mb in micro[1:]:
+        step(mb)
     times = []
-    for _ in range(args.steps):
+    for _ in range(args.rounds):
         _sync(args.device)
         start = time.perf_counter()
-        step()
+        for mb in micro:
+            step(mb)
         _sync(args.device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / len(micro))
     timed = StepTime.of(times)
     secs = timed.median_s
-    tokens = input_ids.numel()
+    tokens = micro[0].inputs.numel()
     flops = tokens * flops_per_token(cfg, args.seq_len)
     mfu = f"{flops / secs / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a"
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
@@ -235,7 +239,8 @@ def main() -> None:
     parser.add_argument("--preset", default="nedolm-0.8b")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--micro-batches", type=int, default=4, help="distinct, every row")
+    parser.add_argument("--rounds", type=int, default=3, help="timed passes over them")
     parser.add_argument("--dispatch", default="masked", choices=MORPH_DISPATCHES)
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak")
     parser.add_argument("--budget-s", type=float, default=420, help="skip configs after this")
@@ -272,13 +277,12 @@ def main() -> None:
     with torch.device("meta"):  # count without allocating
         n_params = build_model(cfg).num_params()
     print(f"## Training step, {args.preset} ({n_params / 1e9:.2f}B params, {args.dispatch})")
-    *batch, segments = packed_rows(cfg, args.batch, args.seq_len, args.device)
+    micro = product_micro_batches(args.batch, args.seq_len, args.device, args.micro_batches)
+    print(describe(micro))
     print(
-        f"{args.batch}x{args.seq_len} packed tokens, {TARGET_FRACTION:.0%} targets, bf16 autocast; "
-        f"conversations of the real corpus' lengths: {len(segments)} segments, median "
-        f"{segments.median():.0f} tokens, longest {segments.max()}"
+        f"bf16 autocast, AdamW; step: the median of {args.rounds} timed passes over the "
+        "micro-batches (each pass's mean); spread: their interquartile range / median\n"
     )
-    print(f"AdamW, median of {args.steps} steps; spread: their interquartile range / median\n")
     print("| backend | mode | step ms | spread | tokens/s | MFU | compile s | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")
     step_s: dict[tuple[str, bool], StepTime] = {}
@@ -293,7 +297,7 @@ def main() -> None:
         try:
             with context():
                 row, step_s[label, compiled] = throughput(
-                    row_cfg, backend, compiled, args, peak, label, tuple(batch)
+                    row_cfg, backend, compiled, args, peak, label, micro
                 )
             print(row, flush=True)
         except torch.OutOfMemoryError:
@@ -311,6 +315,22 @@ def main() -> None:
             rows = {args.dispatch: trainable[0], "grouped": f"{trainable[0]}, grouped dispatch"}
             choice = faster("morph dispatch", step_s, rows, args.dispatch)
             args.faster_dispatch_to.write_text(choice + "\n")
+
+
+def describe(micro: list[MicroBatch]) -> str:
+    """What the rows train on, in two lines: the attention kernels' work depends on it."""
+    segments = [mb.cu_seqlens.diff().tolist() for mb in micro]
+    counts = sorted(len(lengths) for lengths in segments)
+    lengths = torch.tensor([n for each in segments for n in each]).float()
+    targets = sum(mb.targets for mb in micro) / sum(mb.inputs.numel() for mb in micro)
+    batch, seq_len = micro[0].inputs.shape
+    return (
+        f"{len(micro)} micro-batches of {batch}x{seq_len} tokens as the trainer makes them "
+        f"(conversations of the real corpus' shapes and lengths, the product's packer and "
+        f"loader), {targets:.0%} targets:\nsegments per micro-batch {counts[0]}-{counts[-1]}, "
+        f"median length {lengths.median():.0f} tokens, longest per micro-batch "
+        f"{', '.join(str(mb.max_seqlen) for mb in micro)}"
+    )
 
 
 def faster(

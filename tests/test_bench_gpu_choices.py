@@ -1,5 +1,6 @@
-"""What ``bench/model_gpu.py`` hands the trainer's GPU run: rows shaped like the real corpus,
-and the backend and dispatch choices, which must not follow noise."""
+"""What ``bench/model_gpu.py`` times and hands the trainer's GPU run: micro-batches made as the
+trainer makes them, of the real corpus' lengths, and the backend and dispatch choices, which
+must not follow noise."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nedolm.model import packed_layout, preset
+from nedolm.data.synthetic import EOS_ID, PAD_ID
+from nedolm.model import packed_layout
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -25,18 +27,28 @@ def model_gpu():
     return module
 
 
-def test_rows_hold_the_real_corpus_segment_counts_without_padding(model_gpu) -> None:
-    cfg = preset("nedolm-0.8b", max_seq_len=4096)
+def test_micro_batches_are_the_products_on_the_real_corpus_lengths(model_gpu) -> None:
+    counts, longest = [], []
     for seed in range(3):
-        input_ids, labels, layout, segments = model_gpu.packed_rows(cfg, 4, 4096, "cpu", seed)
-        # The real corpus: ~86 conversations per 4x4096 micro-batch, most of a few dozen tokens.
-        assert 60 <= len(segments) <= 130, len(segments)
-        assert 16 <= segments.median() <= 80 and segments.max() <= 4096
-        assert int(segments.sum()) == input_ids.numel()  # back to back: no padding
-        assert layout["max_seqlen"] == int(segments.max())
-        cu_seqlens, _ = packed_layout(input_ids, model_gpu.EOS_ID)
-        assert torch.equal(layout["cu_seqlens"], cu_seqlens)
-        assert 0.3 < float((labels != -100).float().mean()) < 0.5  # 40% targets
+        micro = model_gpu.product_micro_batches(4, 4096, "cpu", 4, seed)
+        for mb in micro:
+            assert mb.inputs.shape == mb.labels.shape == (4, 4096)
+            input_ids, labels, layout = model_gpu.model_inputs(mb)
+            cu_seqlens, _ = packed_layout(input_ids, EOS_ID)  # every conversation its segment
+            assert torch.equal(layout["cu_seqlens"], cu_seqlens)
+            segments = cu_seqlens.diff()
+            assert layout["max_seqlen"] == int(segments.max()) <= 4096
+            assert int((labels != -100).sum()) == mb.targets  # the loader's assistant targets
+            assert 0.15 < mb.targets / labels.numel() < 0.4  # the real corpus: 28%
+            assert float((input_ids == PAD_ID).float().mean()) < 0.02  # the packer fills rows
+            counts.append(len(segments))
+            longest.append(mb.max_seqlen)
+        assert len({mb.inputs.sum().item() for mb in micro}) == len(micro)  # distinct batches
+    # The packer's best-fit decreasing: some micro-batches of a few long conversations, some
+    # of a hundred short ones (the real corpus: ~86 a micro-batch at the median).
+    assert min(counts) < 40 and max(counts) > 100, counts
+    assert 30 <= sorted(counts)[len(counts) // 2] <= 150, counts
+    assert 500 < sorted(longest)[len(longest) // 2] < 3500, longest
 
 
 def test_a_choice_leaves_the_default_only_when_faster_beyond_noise(model_gpu) -> None:
