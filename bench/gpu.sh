@@ -42,7 +42,8 @@ done
 if [[ $smoke == 1 ]]; then
     # Room for every step row on a loaded 2-core CI machine (a compile alone took 16 s there):
     # the smoke test checks (b)'s masked-vs-grouped comparison that (c)'s dispatch comes from.
-    model_args=(--device cpu --preset tiny --seq-len 128 --batch 1 --micro-batches 2 --rounds 1 --budget-s 60)
+    model_args=(--device cpu --preset tiny --seq-len 128 --batch 1 --micro-batches 2 --rounds 1
+        --budget-s 60)
     loss_args=(--device cpu --rows 512 --vocab 1000 --dim 64)
     trainer_args=(--smoke --budget-s 90)
     {

@@ -13,11 +13,12 @@
    the next a hundred short ones. For each backend whose probe passed, eager and compiled (each
    block compiled on its own: one compiled graph serves all blocks, so compile takes seconds,
    not minutes; the longest segment traced as a symbol, as the trainer does); a failing
-   configuration prints its error row. Right after `auto`'s backend come the variants under evaluation, compiled:
-   `grouped` morph dispatch (grouped GEMMs, the FLOPs the MFU counts) against the preset's
-   `masked`, and, when torch_varlen takes grouped KV heads unexpanded (torch 2.10/2.11 after
-   its probe), torch_varlen with them copied per query head as before: each gain measured in
-   the same run. Each row gives its median step and its spread (interquartile range / median);
+   configuration prints its error row. Right after `auto`'s backend come the variants under
+   evaluation, compiled: `grouped` morph dispatch (grouped GEMMs, the FLOPs the MFU counts)
+   against the preset's `masked`, and, when torch_varlen takes grouped KV heads unexpanded
+   (torch 2.10/2.11 after its probe), torch_varlen with them copied per query head as before:
+   each gain measured in the same run. Each row gives its median step and its spread
+   (interquartile range / median over its timed passes);
    the backend and the morph dispatch whose compiled steps were fastest beyond that spread (and
    2%) are written for the trainer's run (--faster-backend-to, --faster-dispatch-to).
 

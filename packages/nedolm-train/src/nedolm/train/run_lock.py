@@ -20,8 +20,8 @@ still names a holder knows that holder ended without releasing (killed, node los
 in one log line. The holder is the run directory's only writer, so the hidden temporary files a
 killed write left at its top (``nedolm.data.atomic``: the resolved config, the compile cache, the
 stop record) are deleted when the lock is taken (``checkpoints/`` is cleaned between saves, by
-``nedolm.train.checkpoint``). Rank 0, the only rank that writes the run directory (``main_rank_call``), takes
-the lock; a refusal is raised on every rank.
+``nedolm.train.checkpoint``). Rank 0, the only rank that writes the run directory
+(``main_rank_call``), takes the lock; a refusal is raised on every rank.
 """
 
 from __future__ import annotations

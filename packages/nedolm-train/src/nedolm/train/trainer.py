@@ -97,11 +97,12 @@ def _release_frames(exc: BaseException) -> None:
         pending += [error.__cause__, error.__context__]
         if error.__traceback__ is None:
             continue
-        stack = "".join(traceback.format_tb(error.__traceback__))
-        traceback.clear_frames(error.__traceback__)
+        stack = error.__traceback__
         if hasattr(error, "add_note"):
+            text = "".join(traceback.format_tb(stack)).rstrip()
+            error.add_note(f"its traceback (most recent call last):\n{text}")
             error.__traceback__ = None
-            error.add_note(f"its traceback (most recent call last):\n{stack.rstrip()}")
+        traceback.clear_frames(stack)
 
 
 def _train(
