@@ -1,7 +1,9 @@
 """Property: decoding a built corpus gives back every kept record's text, roles and targets.
 
 Uses mistral_v1 as a SentencePiece model: it has byte fallback and no whitespace
-normalisation, so any text round-trips (the Turkish models fold whitespace and cannot).
+normalisation, so any text round-trips (the Turkish models fold whitespace and cannot) except
+one holding SentencePiece's space mark ``▁``, which decodes as a space (the builder counts that
+loss: ``test_lossless.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from nedolm.data.format import discover_shards
 ROLES = ("system", "user", "assistant")
 
 text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40).filter(
-    lambda t: t.strip() and "<|mesaj_" not in t
+    lambda t: t.strip() and "<|mesaj_" not in t and "\u2581" not in t
 )
 message = st.tuples(st.sampled_from(ROLES), text, st.booleans())
 conversation = st.lists(message, min_size=1, max_size=6)

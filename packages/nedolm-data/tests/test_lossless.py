@@ -102,3 +102,19 @@ def test_a_trusted_tokenizer_reports_no_lost_characters(tmp_path, tokenizer_json
         tr_chat_inputs, tokenizer_json, tmp_path / "out", BuildOptions(seq_len=1024)
     )
     assert [s.lost_characters for s in report.sources] == [0] * len(report.sources)
+
+
+def test_a_space_mark_in_the_text_is_counted_by_a_trusted_tokenizer(tmp_path, tokenizer_json):
+    """A ``▁`` typed in the text decodes as a space, even through a trusted pipeline."""
+    mark = "\u2581"
+    records = [
+        {"messages": [{"role": "user", "content": "Soru"}, {"role": "assistant", "content": c}]}
+        for c in (f"bir{mark}iki {mark}{mark}", "Cevap")
+    ]
+    source = tmp_path / "marked.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    assert load_tokenizer(tokenizer_json).lossless
+    assert _round_trips(tokenizer_json, [records[0]["messages"][1]["content"]])  # truly lost
+    options = BuildOptions(seq_len=256, shards=1, val_fraction=0)
+    report = build_corpus([source], tokenizer_json, tmp_path / "out", options)
+    assert [s.lost_characters for s in report.sources] == [3]

@@ -28,6 +28,7 @@ import numpy as np
 from nedolm.data.build_options import BuildOptions
 from nedolm.data.format import SpecialTokens
 from nedolm.data.inputs import input_size, read_records
+from nedolm.data.lossless import SPACE_MARK
 from nedolm.data.packing import (
     DROP_HARD_CONTINUATION,
     DROP_MESSAGE_TOO_LONG,
@@ -101,9 +102,17 @@ class ChunkEncoder:
         message's characters the round trip loses (the tokenizer releases the GIL)."""
         texts = [m.text for c in parsed if isinstance(c, Conversation) for m in c.messages]
         ids = self.tokenizer.encode_batch(texts)
-        if self.tokenizer.lossless:  # nothing to count: skip decoding
-            return Tokenized(ids, [0] * len(texts))
-        return Tokenized(ids, lost_characters(texts, self.tokenizer.decode_batch(ids)))
+        if not self.tokenizer.lossless:
+            return Tokenized(ids, lost_characters(texts, self.tokenizer.decode_batch(ids)))
+        # Only a text holding the space mark can change (nedolm.data.lossless): decode those.
+        lost = [0] * len(texts)
+        marked = [i for i, text in enumerate(texts) if SPACE_MARK in text]
+        if marked:
+            back = self.tokenizer.decode_batch([ids[i] for i in marked])
+            counts = lost_characters([texts[i] for i in marked], back)
+            for i, n in zip(marked, counts, strict=True):
+                lost[i] = n
+        return Tokenized(ids, lost)
 
     def assemble(
         self,

@@ -7,6 +7,10 @@ BPE model that falls back to bytes (or works on bytes), so nothing becomes ``<un
 else (NFKC, a precompiled SentencePiece charsmap, whitespace removal, a model without byte
 fallback) is lossy or unknown, and the builder decodes. A probe of awkward text checks the
 decoder on top.
+
+One exception to "every text": a ``▁`` already in the text comes back as a space (the decoder
+cannot tell it from a space the normaliser wrote), so the builder still decodes the texts that
+hold one.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class TextTokenizer(ABC):
     eos_id: int
     pad_id: int | None  # the tokenizer's own pad id, if it has one
     unk_id: int | None  # stands for characters outside the vocabulary, if the model has one
-    lossless: bool = False  # decode(encode(text)) == text for every text (``lossless``)
+    lossless: bool = False  # decode(encode(text)) == text for every text without a ``▁``
     config_path: Path | None = None  # the tokenizer_config.json EOS was read from
 
     @abstractmethod
