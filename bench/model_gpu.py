@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from nedolm.data import synthetic
+from nedolm.data.format import read_special_tokens
 from nedolm.data.loader import build_sft_loader
 from nedolm.model import (
     ModelConfig,
@@ -99,10 +100,19 @@ def product_micro_batches(
     conversations = synthetic.sample_conversations(params, n, seed)
     with tempfile.TemporaryDirectory(prefix="nedolm-bench-") as corpus:
         synthetic.write_corpus(Path(corpus), [conversations], seed=seed)
-        loader, _ = build_sft_loader(corpus, seq_len, micro_batch_size=batch, seed=seed)
-        batches = iter(loader)
-        on = torch.device(device)
-        return [to_micro_batch(next(batches), on, synthetic.EOS_ID) for _ in range(count)]
+        return loader_micro_batches(Path(corpus), seq_len, batch, device, count, seed)
+
+
+def loader_micro_batches(
+    corpus: Path, seq_len: int, batch: int, device: str, count: int, seed: int
+) -> list[MicroBatch]:
+    """The first ``count`` micro-batches of a prepared ``corpus`` as the trainer gets them: the
+    packer's windows drawn by the loader (shuffled by ``seed``), turned into model inputs on
+    ``device`` by ``to_micro_batch``."""
+    loader, _ = build_sft_loader(corpus, seq_len, micro_batch_size=batch, seed=seed)
+    eos = read_special_tokens(corpus).eos_id
+    batches = iter(loader)
+    return [to_micro_batch(next(batches), torch.device(device), eos) for _ in range(count)]
 
 
 def model_inputs(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:

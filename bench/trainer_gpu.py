@@ -288,18 +288,14 @@ def run_model_config(config: Path):
 
 
 def real_micro_batches(plan: Plan, config: Path, count: int):
-    """The first ``count`` micro-batches of the run's corpus, on the device."""
+    """The first ``count`` micro-batches of the run's corpus, on the device, and its EOS id."""
+    from model_gpu import loader_micro_batches  # bench/, beside this script (as (b) makes them)
+
     from nedolm.data.format import read_special_tokens
-    from nedolm.data.loader import build_sft_loader
-    from nedolm.train.step import to_micro_batch
 
     corpus = Path(yaml.safe_load(config.read_text(encoding="utf-8"))["data_dir"])
-
-    loader, _ = build_sft_loader(corpus, plan.seq_len, micro_batch_size=plan.micro_batch, seed=1)
-    eos = read_special_tokens(corpus).eos_id
-    device = torch.device(plan.device)
-    batches = iter(loader)
-    return [to_micro_batch(next(batches), device, eos) for _ in range(count)], eos
+    micro = loader_micro_batches(corpus, plan.seq_len, plan.micro_batch, plan.device, count, 1)
+    return micro, read_special_tokens(corpus).eos_id
 
 
 def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
