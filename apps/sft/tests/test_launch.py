@@ -105,7 +105,11 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
     job = launch(config, env=SLOW_FETCH)
     job.wait_for_step(2)
     rank1 = job.rank_pid(1)
+    # Frozen first, so that it cannot take part in the stop (killed after the SIGTERM, it could
+    # still agree on the stop and hand over its state, and the checkpoint be written).
+    os.kill(rank1, signal.SIGSTOP)
     os.kill(job.proc.pid, signal.SIGTERM)
+    job.wait_for_output("[rank 0] nedolm: SIGTERM received")  # the launcher passed it on
     os.kill(rank1, signal.SIGKILL)  # rank 1 never reaches the agreed stop step
     assert job.wait() == 128 + signal.SIGTERM, job.output()[-4000:]
     assert "launch: SIGTERM: the job did not stop cleanly: no rank recorded a clean stop" in (

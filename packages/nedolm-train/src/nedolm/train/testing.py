@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -84,13 +84,20 @@ class LaunchedJob:
 
     def wait_for_step(self, step: int, timeout: float = 180) -> None:
         """Poll until the job has logged ``step``; it must not exit first."""
+        self._wait_until(lambda: self.logged_step() >= step, f"step {step}", timeout)
+
+    def wait_for_output(self, text: str, timeout: float = 60) -> None:
+        """Poll until the job's output holds ``text``; it must not exit first."""
+        self._wait_until(lambda: text in self.output(), repr(text), timeout)
+
+    def _wait_until(self, reached: Callable[[], bool], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self.logged_step() < step:
+        while not reached():
             if self.proc.poll() is not None:
-                raise JobFailed(f"the job exited before step {step}:\n{self.output()[-3000:]}")
+                raise JobFailed(f"the job exited before {what}:\n{self.output()[-3000:]}")
             if time.monotonic() > deadline:
                 self.kill()
-                raise JobFailed(f"no step {step} in {timeout:.0f} s:\n{self.output()[-3000:]}")
+                raise JobFailed(f"no {what} in {timeout:.0f} s:\n{self.output()[-3000:]}")
             time.sleep(0.05)
 
     def wait(self, timeout: float = 240) -> int:
