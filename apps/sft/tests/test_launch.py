@@ -112,9 +112,9 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
     job.wait_for_output("[rank 0] nedolm: SIGTERM received")  # the launcher passed it on
     os.kill(rank1, signal.SIGKILL)  # rank 1 never reaches the agreed stop step
     assert job.wait() == 128 + signal.SIGTERM, job.output()[-4000:]
-    assert "launch: SIGTERM: the job did not stop cleanly: no rank recorded a clean stop" in (
-        job.output()
-    )
+    out = job.output()
+    assert "launch: SIGTERM: the job did not stop cleanly: no rank recorded a clean stop" in out
+    assert f"launch: no checkpoint is left in {job.run_dir}; a re-run starts from the base" in out
     assert not (job.run_dir / STOP_RECORD).exists()
     assert list_checkpoints(job.run_dir) == []
 
@@ -140,6 +140,7 @@ def test_ranks_sigkilled_after_the_shutdown_timeout_make_the_launcher_exit_128_p
     out = job.output()
     assert "Unable to shutdown process" in out  # torch SIGKILLs after --shutdown-timeout
     assert "launch: SIGTERM: the job did not stop cleanly: no rank recorded a clean stop" in out
+    assert f"launch: no checkpoint is left in {job.run_dir}; a re-run starts from the base" in out
     assert list_checkpoints(job.run_dir) == []
 
 

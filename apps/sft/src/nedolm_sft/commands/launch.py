@@ -112,6 +112,7 @@ def launch(argv: tuple[str, ...]) -> None:
             stop = verify_stop(run_dir, launch_id)
         except UncleanStop as unclean:
             tell(f"launch: {signal_name}: the job did not stop cleanly: {unclean}")
+            tell(f"launch: {left_behind(run_dir)}")  # where a re-run resumes, in every case
             sys.exit(128 + exc.sigval)
         if stop.trained:
             where = f"stopped at step {stop.step} on a valid checkpoint"
