@@ -5,6 +5,7 @@ killed outright takes its ranks with it on a checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -106,10 +107,14 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
     job.wait_for_step(2)
     rank1 = job.rank_pid(1)
     # Frozen first, so that it cannot take part in the stop (killed after the SIGTERM, it could
-    # still agree on the stop and hand over its state, and the checkpoint be written).
+    # still agree on the stop and hand over its state, and the checkpoint be written), and
+    # killed once the launcher has passed the SIGTERM on: pending on the frozen rank 1 then.
+    # Every thread must have stopped before the SIGTERM is sent: a thread that has not yet
+    # taken the SIGSTOP takes the SIGTERM first (the lower number) and it is no longer pending.
     os.kill(rank1, signal.SIGSTOP)
+    job.wait_for(lambda: frozen(rank1), "rank 1 stopped")
     os.kill(job.proc.pid, signal.SIGTERM)
-    job.wait_for_output("[rank 0] nedolm: SIGTERM received")  # the launcher passed it on
+    job.wait_for(lambda: signal.SIGTERM in pending_signals(rank1), "the SIGTERM for rank 1")
     os.kill(rank1, signal.SIGKILL)  # rank 1 never reaches the agreed stop step
     assert job.wait() == 128 + signal.SIGTERM, job.output()[-4000:]
     out = job.output()
@@ -117,6 +122,24 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
     assert f"launch: no checkpoint is left in {job.run_dir}; a re-run starts from the base" in out
     assert not (job.run_dir / STOP_RECORD).exists()
     assert list_checkpoints(job.run_dir) == []
+
+
+def frozen(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (by SIGSTOP)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that has just ended
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+    return all(state in "tT" for state in states)
+
+
+def pending_signals(pid: int) -> set[signal.Signals]:
+    """The signals sent to ``pid`` and not yet handled (a stopped process keeps them)."""
+    pending = 0  # bit n-1 for signal n: sent to the thread (SigPnd) or to the process (ShdPnd)
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            pending |= int(line.split()[1], 16)
+    return {sig for sig in signal.Signals if pending >> (sig - 1) & 1}
 
 
 def shutdown_grace() -> tuple[tuple[str, ...], int]:

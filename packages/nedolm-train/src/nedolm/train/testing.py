@@ -84,13 +84,10 @@ class LaunchedJob:
 
     def wait_for_step(self, step: int, timeout: float = 180) -> None:
         """Poll until the job has logged ``step``; it must not exit first."""
-        self._wait_until(lambda: self.logged_step() >= step, f"step {step}", timeout)
+        self.wait_for(lambda: self.logged_step() >= step, f"step {step}", timeout)
 
-    def wait_for_output(self, text: str, timeout: float = 60) -> None:
-        """Poll until the job's output holds ``text``; it must not exit first."""
-        self._wait_until(lambda: text in self.output(), repr(text), timeout)
-
-    def _wait_until(self, reached: Callable[[], bool], what: str, timeout: float) -> None:
+    def wait_for(self, reached: Callable[[], bool], what: str, timeout: float = 60) -> None:
+        """Poll until ``reached()``; the job must not exit first. ``what`` names it in errors."""
         deadline = time.monotonic() + timeout
         while not reached():
             if self.proc.poll() is not None:
