@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,18 +48,11 @@ def launch(config: Path, env: dict[str, str] | None = None, *options: str) -> La
 def wait_for_log(job: LaunchedJob, needle: str, count: int = 1) -> None:
     """Until ``needle`` is in the run's train.log ``count`` times; the job must not exit first."""
     log = job.run_dir / "train.log"
-    wait_for(job, lambda: log.exists() and log.read_text(encoding="utf-8").count(needle) >= count)
-
-
-def wait_for(job: LaunchedJob, predicate: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 180
-    while not predicate():
-        if job.proc.poll() is not None:
-            pytest.fail(f"the job exited first:\n{job.output()[-3000:]}")
-        if time.monotonic() > deadline:
-            job.kill()
-            pytest.fail(f"timed out:\n{job.output()[-3000:]}")
-        time.sleep(0.05)
+    job.wait_for(
+        lambda: log.exists() and log.read_text(encoding="utf-8").count(needle) >= count,
+        f"{needle!r} {count} times in train.log",
+        timeout=180,
+    )
 
 
 def trained_steps(run_dir: Path) -> list[int]:
@@ -195,7 +187,7 @@ def test_a_sigterm_to_a_smoke_launch_is_judged_by_its_scratch_run_dir(
     config = write_stop_test_config(tmp_path / "smoke.yaml", corpus, base)
     job = launch(config, {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}, "--smoke-steps", "6")
     scratch = job.run_dir.with_name(job.run_dir.name + ".smoke")  # where --smoke-steps trains
-    wait_for(job, lambda: len(trained_steps(scratch)) >= 2)
+    job.wait_for(lambda: len(trained_steps(scratch)) >= 2, "2 steps", timeout=180)
     os.kill(job.proc.pid, signal.SIGTERM)
     job.wait_ok()
     [(step, _)] = list_checkpoints(scratch)
