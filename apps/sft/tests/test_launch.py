@@ -5,7 +5,6 @@ killed outright takes its ranks with it on a checkpoint."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -19,7 +18,13 @@ from torch.distributed import run as torchrun
 from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
-from nedolm.train.testing import LaunchedJob, init_tiny_base, write_stop_test_config
+from nedolm.train.testing import (
+    LaunchedJob,
+    init_tiny_base,
+    process_running,
+    process_state,
+    write_stop_test_config,
+)
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 8  # write_stop_test_config's max_steps
@@ -125,12 +130,9 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
 
 
 def frozen(pid: int) -> bool:
-    """Whether every thread of ``pid`` is stopped (by SIGSTOP)."""
-    states = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # a thread that has just ended
-            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-    return all(state in "tT" for state in states)
+    """Whether every thread of ``pid`` is stopped (by SIGSTOP); one that has just ended counts."""
+    states = (process_state(task / "stat") for task in Path(f"/proc/{pid}/task").iterdir())
+    return all(state in (None, "t", "T") for state in states)
 
 
 def pending_signals(pid: int) -> set[signal.Signals]:
@@ -181,15 +183,6 @@ def test_sigusr1_slurms_warning_also_stops_cleanly_with_exit_0(
     assert f"[rank 1] WARNING stop requested (SIGUSR1): stopped at step {step}" in job.output()
 
 
-def running(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie waiting for init to reap it has ended)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 def test_a_killed_launcher_takes_its_ranks_with_it_and_a_relaunch_resumes_exactly(
     corpus: Path, base: Path, tmp_path: Path, reference: Path
 ) -> None:
@@ -200,7 +193,7 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_a_relaunch_resumes_exactl
     os.kill(job.proc.pid, signal.SIGKILL)  # the launcher alone: its ranks have own sessions
     killed = time.monotonic()
     assert job.wait() == -signal.SIGKILL
-    while any(running(pid) for pid in ranks):
+    while any(process_running(pid) for pid in ranks):
         assert time.monotonic() - killed < 30, "a rank outlived its launcher by 30 s"
         time.sleep(0.1)
     out = job.output()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from nedolm.train.testing import process_running
 
 pytestmark = pytest.mark.slow
 SLOW_FETCH = {"NEDOLM_TEST_DELAY": "data_fetch=0.15"}  # room to act mid-run; no numeric effect
@@ -28,14 +29,6 @@ def _children(pid: int) -> list[int]:
         with contextlib.suppress(FileNotFoundError):
             found += map(int, (task / "children").read_text().split())
     return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 def _assert_matches_reference(harness, run_dir: Path, reference: Path, first_step: int) -> None:
@@ -76,8 +69,8 @@ def test_kill_9_of_the_trainer_alone_then_an_immediate_restart_resumes_exactly(
         "(killed?); taking it over"
     ]
     deadline = time.monotonic() + 60
-    while any(_running(worker) for worker in workers):  # they died with the trainer, stopped
-        assert time.monotonic() < deadline, [w for w in workers if _running(w)]
+    while any(process_running(worker) for worker in workers):  # they died with the trainer, stopped
+        assert time.monotonic() < deadline, [w for w in workers if process_running(w)]
         time.sleep(0.1)
     _assert_matches_reference(harness, job.run_dir, reference, first_step=1)
     lock = (job.run_dir / "run.lock").read_text(encoding="utf-8")

@@ -1,7 +1,7 @@
 """Support for tests that train for real: a random ``tiny`` base for a corpus, and a multi-rank
 job under a launcher (torchrun, ``nedolm-sft launch``) in its own session with its output in a
-file, a rank's process found by its environment, waits that end a hung job instead of hanging
-the test run.
+file, a rank's process found by its environment and its state read from /proc, waits that end
+a hung job instead of hanging the test run.
 
 Shipped with the package so that the fault tests of every package (and users' own) drive jobs
 the same way; nothing here is used by training itself.
@@ -113,6 +113,20 @@ class LaunchedJob:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def process_state(stat: Path) -> str | None:
+    """The one-letter state (R, S, T, t, Z, X, ...) in a ``/proc/PID[/task/TID]/stat`` file;
+    None once the process or thread is gone."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]  # after the command's parentheses
+    except FileNotFoundError:
+        return None
+
+
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its parent to reap it has ended)."""
+    return process_state(Path(f"/proc/{pid}/stat")) not in (None, "Z", "X")
 
 
 def sft_paths(run_dir: Path, base: Path, corpus: Path) -> dict[str, str]:
