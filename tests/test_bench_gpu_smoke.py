@@ -18,6 +18,7 @@ SECTIONS = (
     "## c. `nedolm-sft run`, tiny",
     "### c. compile time by phase (TORCH_TRACE)",
     "### c. checkpoint at step 7 (",
+    "### c. `nedolm-sft generate` from the step 7 checkpoint",
     "### c. trainer vs the model step alone",
     "### c. torch.profiler: top-15 CPU ops (no CUDA device",
     "### c. where a step's time goes",
@@ -72,16 +73,27 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     alone = re.search(rf"^\| model step alone, 3 steps \| {cpu_row}", text, re.M)
     assert trainer and alone, text
     assert float(trainer[2]) >= 1.0  # the gradient norm, read every step
-    # After the profile window, one checkpoint written behind a training step, then `generate`
-    # answers from it (issue 25's pause and reply time on a GPU).
-    assert "in the background), then `nedolm-sft generate` from it" in text, text
-    checkpoint = text.split("### c. checkpoint at step", 1)[1]
+    # After the profile window, one checkpoint written behind a training step: its figures come
+    # right after (c)'s tables; `generate` answering from it comes last, after (e), so a spent
+    # budget skips that row and not (e) (issue 25's pause and reply time on a GPU).
+    sections = (
+        "## c. `nedolm-sft run`",
+        "### c. checkpoint at step 7 (",
+        "### c. trainer vs the model step alone",
+        "## e.",
+        "### c. `nedolm-sft generate` from the step 7 checkpoint",
+    )
+    order = [text.index(header) for header in sections]
+    assert order == sorted(order), order
+    checkpoint = text.split(sections[1], 1)[1]
+    assert re.match(r"[\d.]+ GiB, in the background\)", checkpoint), checkpoint
     save = re.search(
-        rf"^\| ({number}) \| ({number}) \| ({number}) \| {number} \| ({number}) \|$",
-        checkpoint,
-        re.M,
+        rf"^\| ({number}) \| ({number}) \| ({number}) \| {number} \|$", checkpoint, re.M
     )
     assert save, checkpoint
-    pause, write, during, generate = (float(v) for v in save.groups())
-    assert pause >= 0 and write > 0 and during > 0 and generate > 0, save.groups()
-    assert re.search(r"^reply: \S", checkpoint, re.M), checkpoint
+    pause, write, during = (float(v) for v in save.groups())
+    assert pause >= 0 and write > 0 and during > 0, save.groups()
+    generate = text.split(sections[-1], 1)[1]
+    seconds = re.search(rf"^\| ({number}) \|$", generate, re.M)
+    assert seconds and float(seconds[1]) > 0, generate
+    assert re.search(r"^reply: \S", generate, re.M), generate
