@@ -37,15 +37,16 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-# Each script stops starting new sections after its --budget-s; the hard timeouts only guard
-# against a hang (145 + 35 + 300 s: under 8 minutes together).
+# model_gpu.py stops starting rows after its --budget-s; trainer_gpu.py starts a section only if
+# it is expected to end before its --deadline-s, 10 s inside its hard timeout. The hard timeouts
+# guard against a hang (145 + 35 + 300 s: under 8 minutes together).
 if [[ $smoke == 1 ]]; then
     # Room for every step row on a loaded 2-core CI machine (a compile alone took 16 s there):
     # the smoke test checks (b)'s masked-vs-grouped comparison that (c)'s dispatch comes from.
     model_args=(--device cpu --preset tiny --seq-len 128 --batch 1 --micro-batches 2 --rounds 1
         --budget-s 60)
     loss_args=(--device cpu --rows 512 --vocab 1000 --dim 64)
-    trainer_args=(--smoke --budget-s 90)
+    trainer_args=(--smoke)
     {
         echo "# bench/gpu.sh --smoke (CPU: checks the script, measures nothing)"
         echo
@@ -56,7 +57,7 @@ else
     "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")'
     model_args=(--budget-s 100)
     loss_args=()
-    trainer_args=(--budget-s 240)
+    trainer_args=()
     {
         echo "# bench/gpu.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
         echo
@@ -81,6 +82,7 @@ TORCH_TRACE=$model_trace timeout 145 "$PYTHON" bench/model_gpu.py "${model_args[
 timeout 35 "$PYTHON" bench/loss_gpu.py "${loss_args[@]}" 2>&1 | tee -a "$out" || status=1
 [[ -s $backend_file ]] && trainer_args+=(--attn-impl "$(<"$backend_file")")
 [[ -s $dispatch_file ]] && trainer_args+=(--dispatch "$(<"$dispatch_file")")
+trainer_args+=(--deadline-s 290)  # its hard timeout, less 10 s to end the last subprocess
 timeout 300 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
 echo "tables written to $out"
 exit $status

@@ -1,6 +1,6 @@
 """The product on a GPU, not only the model (run by bench/gpu.sh after bench/model_gpu.py).
 
-    python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--budget-s 240] [--keep DIR]
+    python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--deadline-s 290] [--keep DIR]
                                 [--launch-only] [--dispatch masked|sparse|grouped]
                                 [--attn-impl auto|flash|torch_varlen|flex|sdpa]
 
@@ -15,7 +15,7 @@ c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample a
    while it is written: the training pause, the background write and that step's time, read
    from its metrics right after (c); and `nedolm-sft generate` answers from that checkpoint,
    timed as a user waits for it (last, after (e): issue 25's reply time is the one row a
-   spent budget skips).
+   late run skips).
 d. transformers' LlamaForCausalLM of the same dense shape (no morph experts), eager sdpa, bf16
    autocast, full-logits loss, the same tokens per step: what an untuned TRL user runs.
 e. `nedolm-sft launch --nproc-per-node 1` with ddp and with fsdp (NCCL on a GPU), a few eager
@@ -23,7 +23,10 @@ e. `nedolm-sft launch --nproc-per-node 1` with ddp and with fsdp (NCCL on a GPU)
 
 Every figure comes from this run on this machine; MFU is `nedolm.train.flops`'s one count.
 `--smoke` runs every section on the CPU with a tiny model in under a minute (CI runs it), and
-says which parts need CUDA. Sections stop starting after --budget-s.
+says which parts need CUDA. After (c), a section starts only if the time it is expected to
+take is left before --deadline-s (bench/gpu.sh kills the script 10 s after it), so a late
+section is skipped whole, not killed half-way, and a short one still runs when a long one could
+not; a subprocess's timeout is the time left.
 """
 
 from __future__ import annotations
@@ -57,6 +60,32 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "apps/sft/src/nedolm_sft/default"
 FIXTURES = REPO / "packages/nedolm-data/tests/fixtures"
 TOOL_CHATS = FIXTURES / "tool_chat/glaive_toolcall_en_demo.jsonl"
+
+
+EXPECTED_S = {"model step": 30.0, "Llama": 30.0, "launch": 40.0, "generate": 20.0}
+"""Seconds a section after (c) is expected to take on an H200, with a margin: a launch of (e)
+took 33-35 s there (2026-12-04). The others were not timed apart, so these are estimates: that
+day's loss_gpu.py and trainer_gpu.py took 244 s together, of which (c)'s compile warm-up 62 s
+and (e) 68 s; the model step and (d) each build the 0.8B model and take a few steps of ~0.2 s
+(the model step compiles first); `generate` loads a ~3 GB checkpoint and writes 24 tokens."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When the bench must be done: gpu.sh's hard timeout, less a margin."""
+
+    seconds: float
+    at: float
+    """``time.monotonic()`` at the deadline."""
+
+    def left(self) -> float:
+        return max(self.at - time.monotonic(), 0.0)
+
+    def too_late(self, expected_s: float) -> str | None:
+        """Why a section of ``expected_s`` must not start now, or None."""
+        if expected_s <= self.left():
+            return None
+        return f"~{expected_s:.0f} s expected, {self.left():.0f} s left of {self.seconds:.0f} s"
 
 
 @dataclass(frozen=True)
@@ -238,14 +267,14 @@ def checkpoint_section(plan: Plan, run_dir: Path) -> None:
     print(f"| {save['pause_s']:.2f} | {save['write_s']:.2f} | {during_text} | {steady:.3f} |\n")
 
 
-def generate_section(run_dir: Path) -> None:
+def generate_section(run_dir: Path, deadline: Deadline) -> None:
     """(c, last): `nedolm-sft generate` from the run's checkpoint, timed from process start to
     reply as a user waits for it (issue 25's target on nedolm-0.8b: <= 10 s). Last of all, so a
-    spent budget costs this row, not (e)."""
+    late run costs this row, not (e)."""
     save = last_checkpoint_record(run_dir)
     started = time.monotonic()
     reply = sft("generate", str(run_dir), "--prompt", GENERATE_PROMPT,
-                "--max-new-tokens", str(GENERATE_TOKENS), timeout=300).stdout  # fmt: skip
+                "--max-new-tokens", str(GENERATE_TOKENS), timeout=deadline.left()).stdout  # fmt: skip
     generate_s = time.monotonic() - started
     print(f"### c. `nedolm-sft generate` from the step {save['step']} checkpoint "
           f"({GENERATE_TOKENS} new tokens at most)\n")  # fmt: skip
@@ -445,14 +474,18 @@ def llama_section(plan: Plan, config: Path, trainer_tps: float) -> None:
     print(f"| {trainer_tps:,.0f} | {llama_tps:,.0f} | {trainer_tps / llama_tps:.2f} |\n")
 
 
-def launch_section(plan: Plan, corpus: Path, base: Path, root: Path) -> None:
-    """(e): the launcher with each parallelism, a few eager steps."""
+def launch_section(plan: Plan, corpus: Path, base: Path, root: Path, deadline: Deadline) -> None:
+    """(e): the launcher with each parallelism (ddp first), a few eager steps; a launch the
+    deadline leaves no time for is skipped."""
     backend = "NCCL" if plan.device == "cuda" else "gloo (CPU)"
     print(f"## e. `nedolm-sft launch --nproc-per-node 1`, {backend}, {plan.launch_steps} steps\n")
     print("| parallelism | result | tokens/s (last step) | wall s |")
     print("|---|---|---|---|")
     failures: list[str] = []
     for parallelism in ("ddp", "fsdp"):
+        if late := deadline.too_late(EXPECTED_S["launch"]):
+            print(f"| {parallelism} | skipped: {late} | | |")
+            continue
         config = write_config(
             root / f"launch-{parallelism}.yaml",
             plan,
@@ -464,7 +497,8 @@ def launch_section(plan: Plan, corpus: Path, base: Path, root: Path) -> None:
         )
         started = time.monotonic()
         try:
-            sft("launch", "--standalone", "--nproc-per-node", "1", str(config), timeout=300)
+            sft("launch", "--standalone", "--nproc-per-node", "1", str(config),
+                timeout=deadline.left())  # fmt: skip
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             reason = str(exc).strip().splitlines()[-1][:200]
             print(f"| {parallelism} | FAILED: {reason} | | {time.monotonic() - started:.0f} |")
@@ -488,7 +522,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
     parser.add_argument("--data", nargs="*", default=[], help="more chat files for the corpus")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--budget-s", type=float, default=240)
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=290,
+        help="finish by then: no section starts that is expected to end later (gpu.sh: 290)",
+    )
     parser.add_argument("--keep", type=Path, help="copy the run's train.log and metrics here")
     parser.add_argument(
         "--launch-only", action="store_true", help="only (e): a short check of the launcher"
@@ -523,20 +562,26 @@ def main() -> None:
         if not args.launch_only:
             trainer_tps, config, failed = guarded_trainer_section(plan, config, args, corpus, base)
         # The checkpoint's figures (read from the run's metrics: free) at once; issue 24's
-        # tables next; `generate` (issue 25's, ~15 s) last, so a slow disk or compile on the
-        # device costs that row, not (e), when the budget runs out.
-        launch = functools.partial(launch_section, plan, corpus, base, root)
+        # tables next; `generate` (issue 25's) last, so a slow disk or compile on the device
+        # costs that row, not (e), when time runs short.
+        deadline = Deadline(args.deadline_s, began + args.deadline_s)
+        launch = (
+            "e. launch",
+            EXPECTED_S["launch"],
+            functools.partial(launch_section, plan, corpus, base, root, deadline),
+        )
         run_dir = config.with_suffix("")
         sections = (
-            lambda: checkpoint_section(plan, run_dir),
-            lambda: model_step_section(plan, config, trainer_tps),
-            lambda: llama_section(plan, config, trainer_tps),
+            ("c. checkpoint", 0.0, lambda: checkpoint_section(plan, run_dir)),
+            ("c. model step", EXPECTED_S["model step"],
+             lambda: model_step_section(plan, config, trainer_tps)),
+            ("d. Llama", EXPECTED_S["Llama"], lambda: llama_section(plan, config, trainer_tps)),
             launch,
-            lambda: generate_section(run_dir),
-        )
-        for section in (launch,) if args.launch_only else sections:
-            if time.monotonic() - began > args.budget_s:
-                print(f"(skipped: the {args.budget_s:.0f} s budget is spent)\n")
+            ("c. generate", EXPECTED_S["generate"], lambda: generate_section(run_dir, deadline)),
+        )  # fmt: skip
+        for name, expected_s, section in (launch,) if args.launch_only else sections:
+            if late := deadline.too_late(expected_s):
+                print(f"({name} skipped: {late})\n")
                 continue
             try:
                 section()
