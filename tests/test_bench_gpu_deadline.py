@@ -4,6 +4,7 @@ says why, rather than being killed half-way on a GPU whose minutes are few."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -42,7 +43,7 @@ def test_a_section_fits_only_if_its_expected_time_is_left(trainer_gpu) -> None:
 def test_a_launch_the_deadline_leaves_no_time_for_is_skipped_not_started(
     trainer_gpu, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan = trainer_gpu.plan_for(trainer_gpu.argparse.Namespace(smoke=True, data=[], steps=3))
+    plan = trainer_gpu.plan_for(argparse.Namespace(smoke=True, data=[], steps=3))
     deadline = trainer_gpu.Deadline(60.0, time.monotonic() + 39.0)  # a launch expects 40 s
     missing = tmp_path / "never-read"
     trainer_gpu.launch_section(plan, missing, missing, tmp_path, deadline)

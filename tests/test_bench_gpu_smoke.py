@@ -18,12 +18,12 @@ SECTIONS = (
     "## c. `nedolm-sft run`, tiny",
     "### c. compile time by phase (TORCH_TRACE)",
     "### c. checkpoint at step 7 (",
-    "### c. `nedolm-sft generate` from the step 7 checkpoint",
     "### c. trainer vs the model step alone",
     "### c. torch.profiler: top-15 CPU ops (no CUDA device",
     "### c. where a step's time goes",
     "## d. transformers LlamaForCausalLM",
     "## e. `nedolm-sft launch --nproc-per-node 1`, gloo (CPU)",
+    "### c. `nedolm-sft generate` from the step 7 checkpoint",
 )
 
 
@@ -74,8 +74,8 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     assert trainer and alone, text
     assert float(trainer[2]) >= 1.0  # the gradient norm, read every step
     # After the profile window, one checkpoint written behind a training step: its figures come
-    # right after (c)'s tables; `generate` answering from it comes last, after (e), so a spent
-    # budget skips that row and not (e) (issue 25's pause and reply time on a GPU).
+    # right after (c)'s tables; `generate` answering from it comes last, after (e), so a late
+    # run skips that row and not (e) (issue 25's pause and reply time on a GPU).
     sections = (
         "## c. `nedolm-sft run`",
         "### c. checkpoint at step 7 (",
