@@ -83,9 +83,10 @@ class Deadline:
 
     def too_late(self, expected_s: float) -> str | None:
         """Why a section of ``expected_s`` must not start now, or None."""
-        if expected_s <= self.left():
+        left = self.left()
+        if expected_s <= left:
             return None
-        return f"~{expected_s:.0f} s expected, {self.left():.0f} s left of {self.seconds:.0f} s"
+        return f"~{expected_s:.0f} s expected, {left:.0f} s left of {self.seconds:.0f} s"
 
 
 @dataclass(frozen=True)
@@ -253,8 +254,7 @@ def checkpoint_section(plan: Plan, run_dir: Path) -> None:
     nedolm-0.8b: training pause <= 2 s). Costs no device time, so it comes right after (c)."""
     from nedolm.train.checkpoint import CHECKPOINT_DIR
 
-    save = last_checkpoint_record(run_dir)
-    steps = step_records(read_metrics(run_dir))
+    save, steps = checkpoint_and_steps(run_dir)
     steady = statistics.median(r["sec_per_step"] for r in measured_steps(plan, steps)[1])
     during = next((r["sec_per_step"] for r in steps if r["step"] == save["step"] + 1), None)
     files = (run_dir / CHECKPOINT_DIR).rglob("*")
@@ -271,7 +271,7 @@ def generate_section(run_dir: Path, deadline: Deadline) -> None:
     """(c, last): `nedolm-sft generate` from the run's checkpoint, timed from process start to
     reply as a user waits for it (issue 25's target on nedolm-0.8b: <= 10 s). Last of all, so a
     late run costs this row, not (e)."""
-    save = last_checkpoint_record(run_dir)
+    save, _ = checkpoint_and_steps(run_dir)
     started = time.monotonic()
     reply = sft("generate", str(run_dir), "--prompt", GENERATE_PROMPT,
                 "--max-new-tokens", str(GENERATE_TOKENS), timeout=deadline.left()).stdout  # fmt: skip
@@ -284,12 +284,13 @@ def generate_section(run_dir: Path, deadline: Deadline) -> None:
     print(f"reply: {' '.join(reply.split())[:200]}\n")
 
 
-def last_checkpoint_record(run_dir: Path) -> dict:
-    """The newest checkpoint record of the run's metrics.jsonl."""
-    saves = [r for r in read_metrics(run_dir) if r.get("kind") == "checkpoint"]
+def checkpoint_and_steps(run_dir: Path) -> tuple[dict, list[dict]]:
+    """The newest checkpoint record of the run's metrics.jsonl, and its step records."""
+    metrics = read_metrics(run_dir)
+    saves = [r for r in metrics if r.get("kind") == "checkpoint"]
     if not saves:
         raise RuntimeError(f"{run_dir / 'metrics.jsonl'} has no checkpoint record")
-    return saves[-1]
+    return saves[-1], step_records(metrics)
 
 
 def guarded_trainer_section(
