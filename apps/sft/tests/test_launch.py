@@ -20,9 +20,10 @@ from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
 from nedolm.train.testing import (
     LaunchedJob,
+    frozen,
     init_tiny_base,
+    pending_signals,
     process_running,
-    process_state,
     write_stop_test_config,
 )
 
@@ -127,21 +128,6 @@ def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
     assert f"launch: no checkpoint is left in {job.run_dir}; a re-run starts from the base" in out
     assert not (job.run_dir / STOP_RECORD).exists()
     assert list_checkpoints(job.run_dir) == []
-
-
-def frozen(pid: int) -> bool:
-    """Whether every thread of ``pid`` is stopped (by SIGSTOP); one that has just ended counts."""
-    states = (process_state(task / "stat") for task in Path(f"/proc/{pid}/task").iterdir())
-    return all(state in (None, "t", "T") for state in states)
-
-
-def pending_signals(pid: int) -> set[signal.Signals]:
-    """The signals sent to ``pid`` and not yet handled (a stopped process keeps them)."""
-    pending = 0  # bit n-1 for signal n: sent to the thread (SigPnd) or to the process (ShdPnd)
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("SigPnd:", "ShdPnd:")):
-            pending |= int(line.split()[1], 16)
-    return {sig for sig in signal.Signals if pending >> (sig - 1) & 1}
 
 
 def shutdown_grace() -> tuple[tuple[str, ...], int]:

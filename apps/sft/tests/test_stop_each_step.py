@@ -16,7 +16,13 @@ import pytest
 
 from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
-from nedolm.train.testing import JOB_ENV, LaunchedJob, init_tiny_base, write_stop_test_config
+from nedolm.train.testing import (
+    JOB_ENV,
+    LaunchedJob,
+    all_frozen,
+    init_tiny_base,
+    write_stop_test_config,
+)
 
 pytestmark = pytest.mark.slow
 SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
@@ -109,8 +115,9 @@ def test_one_rank_stops_after_the_next_optimizer_step(
     config = write_stop_test_config(tmp_path / "one.yaml", corpus, base, **SPARSE_CONTROL)
     job = LaunchedJob([sys.executable, "-m", "nedolm_sft", "run", str(config)], config, SLOW_STEPS)
     job.wait_for_step(3)
-    signalled_after = logged_step(job.run_dir)
-    os.kill(job.proc.pid, signal.SIGTERM)
+    with all_frozen(job.proc.pid):  # the job has not logged step s+1 when the signal lands
+        signalled_after = logged_step(job.run_dir)
+        os.kill(job.proc.pid, signal.SIGTERM)
     job.wait_ok()
     # Step s+1's fetch (0.3 s of the 0.3 s step) carries the request; at worst it arrived just
     # after that all-reduce, and step s+2's carries it.
@@ -125,8 +132,10 @@ def test_a_signal_to_one_of_two_ranks_stops_both_after_the_next_step(
     cmd = [sys.executable, "-m", "nedolm_sft", "launch", "--standalone", "--nproc-per-node", "2"]
     job = LaunchedJob([*cmd, str(config)], config, {"NEDOLM_DIST_TIMEOUT_S": "30", **SLOW_STEPS})
     job.wait_for_step(3)
-    signalled_after = logged_step(job.run_dir)
-    os.kill(job.rank_pid(1), signal.SIGTERM)  # rank 0 hears of it only through the all-reduce
+    ranks = job.rank_pid(0), job.rank_pid(1)
+    with all_frozen(*ranks):  # rank 0 (which logs) has not logged step s+1 when it lands
+        signalled_after = logged_step(job.run_dir)
+        os.kill(ranks[1], signal.SIGTERM)  # rank 0 hears of it only through the all-reduce
     job.wait_ok()
     assert signalled_after < stop_checkpoint(job.run_dir) <= signalled_after + 2
     assert "[rank 1] nedolm: SIGTERM received: stopping after the next optimizer step" in (

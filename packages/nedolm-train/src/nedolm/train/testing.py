@@ -1,7 +1,7 @@
 """Support for tests that train for real: a random ``tiny`` base for a corpus, and a multi-rank
 job under a launcher (torchrun, ``nedolm-sft launch``) in its own session with its output in a
-file, a rank's process found by its environment and its state read from /proc, waits that end
-a hung job instead of hanging the test run.
+file, a rank's process found by its environment and its state read from /proc, processes frozen
+while a test reads and signals them, waits that end a hung job instead of hanging the test run.
 
 Shipped with the package so that the fault tests of every package (and users' own) drive jobs
 the same way; nothing here is used by training itself.
@@ -127,6 +127,42 @@ def process_state(stat: Path) -> str | None:
 def process_running(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie waiting for its parent to reap it has ended)."""
     return process_state(Path(f"/proc/{pid}/stat")) not in (None, "Z", "X")
+
+
+def frozen(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (by SIGSTOP); one that has just ended counts."""
+    states = (process_state(task / "stat") for task in Path(f"/proc/{pid}/task").iterdir())
+    return all(state in (None, "t", "T") for state in states)
+
+
+def pending_signals(pid: int) -> set[signal.Signals]:
+    """The signals sent to ``pid`` and not yet handled (a stopped process keeps them)."""
+    pending = 0  # bit n-1 for signal n: sent to the thread (SigPnd) or to the process (ShdPnd)
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            pending |= int(line.split()[1], 16)
+    return {sig for sig in signal.Signals if pending >> (sig - 1) & 1}
+
+
+@contextlib.contextmanager
+def all_frozen(*pids: int, timeout: float = 30) -> Iterator[None]:
+    """Every thread of each of ``pids`` stopped inside the block and continued after it, so that
+    what the test reads and sends there happens at one point of their progress: a signal sent
+    inside stays pending until the block ends, after what was read (a test process scheduled
+    late can otherwise read a step and signal the job some steps further on)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout
+        while not all(frozen(pid) for pid in pids):
+            if time.monotonic() > deadline:
+                raise JobFailed(f"processes {pids} not all stopped after {timeout:.0f} s")
+            time.sleep(0.01)
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def sft_paths(run_dir: Path, base: Path, corpus: Path) -> dict[str, str]:
