@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,12 @@ import pytest
 from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
-from nedolm.train.testing import LaunchedJob, init_tiny_base, write_stop_test_config
+from nedolm.train.testing import (
+    LaunchedJob,
+    caught_signals,
+    init_tiny_base,
+    write_stop_test_config,
+)
 
 pytestmark = pytest.mark.slow
 SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
@@ -55,6 +60,14 @@ def wait_for_log(job: LaunchedJob, needle: str, count: int = 1) -> None:
     )
 
 
+def wait_for_handler(job: LaunchedJob, signum: int) -> None:
+    """Until the job's process handles ``signum`` (~50 ms after it starts): signalled earlier,
+    the default action kills it, as it would any program."""
+    job.wait_for(
+        lambda: signum in caught_signals(job.proc.pid), f"a handler for {signum}", timeout=30
+    )
+
+
 def trained_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run_dir) if "loss" in r]
 
@@ -67,13 +80,47 @@ def assert_stopped_before_step_1(run_dir: Path) -> None:
     assert (record["step"], record["trained"]) == (0, False)
 
 
+# Runs the CLI with ``install_early`` wrapped to record whether torch was imported by then.
+HANDLERS_BEFORE_TORCH = """
+import sys
+import nedolm.train.signals as signals
+install, torch_loaded = signals.install_early, []
+def recording():
+    torch_loaded.append("torch" in sys.modules)
+    return install()
+signals.install_early = recording
+from nedolm_sft.cli import main
+sys.argv = ["nedolm-sft", *sys.argv[1:]]
+try:
+    main()
+except SystemExit:
+    pass
+print(torch_loaded)
+"""
+
+
+@pytest.mark.parametrize("command", ["run", "launch"])
+def test_the_stop_handlers_are_installed_before_torch_is_imported(
+    command: str, tmp_path: Path
+) -> None:
+    """The seconds torch takes to import are covered (the next tests signal in them)."""
+    done = subprocess.run(
+        [sys.executable, "-c", HANDLERS_BEFORE_TORCH, command, str(tmp_path / "none.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.splitlines()[-1] == "[False]", done.stdout + done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_during_the_imports_exits_0_before_step_1_with_nothing_saved(
     corpus: Path, base: Path, tmp_path: Path, signum: int
 ) -> None:
     config = write_stop_test_config(tmp_path / "early.yaml", corpus, base)
     job = run(config)
-    time.sleep(0.2)  # torch is still being imported: before the fix this killed the process
+    # Torch takes seconds to import, after the handlers (before the fix this killed the job).
+    wait_for_handler(job, signum)
     os.kill(job.proc.pid, signum)
     code, out = job.wait(), job.output()
     name = signal.Signals(signum).name
@@ -136,7 +183,7 @@ def test_a_sigterm_to_the_launcher_before_any_rank_trained_exits_0(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
     job = launch(write_stop_test_config(tmp_path / "early.yaml", corpus, base))
-    time.sleep(0.2)  # the launcher is still importing torch; no rank exists yet
+    wait_for_handler(job, signal.SIGTERM)  # still importing torch; no rank yet
     os.kill(job.proc.pid, signal.SIGTERM)
     assert job.wait() == 0, job.output()[-3000:]
     assert "launch: SIGTERM: stopped before any rank started; nothing to save" in job.output()

@@ -136,12 +136,25 @@ def frozen(pid: int) -> bool:
 
 
 def pending_signals(pid: int) -> set[signal.Signals]:
-    """The signals sent to ``pid`` and not yet handled (a stopped process keeps them)."""
-    pending = 0  # bit n-1 for signal n: sent to the thread (SigPnd) or to the process (ShdPnd)
+    """The signals sent to ``pid`` and not yet handled (a stopped process keeps them): sent to
+    the thread (SigPnd) or to the process (ShdPnd)."""
+    return _signal_masks(pid, "SigPnd", "ShdPnd")
+
+
+def caught_signals(pid: int) -> set[signal.Signals]:
+    """The signals ``pid`` has installed a handler for (SigCgt): from then on one of them no
+    longer kills it with the default action."""
+    return _signal_masks(pid, "SigCgt")
+
+
+def _signal_masks(pid: int, *fields: str) -> set[signal.Signals]:
+    """The union of ``/proc/PID/status``'s signal masks ``fields`` (bit n-1 for signal n)."""
+    mask = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("SigPnd:", "ShdPnd:")):
-            pending |= int(line.split()[1], 16)
-    return {sig for sig in signal.Signals if pending >> (sig - 1) & 1}
+        name, _, value = line.partition(":")
+        if name in fields:
+            mask |= int(value, 16)
+    return {sig for sig in signal.Signals if mask >> (sig - 1) & 1}
 
 
 @contextlib.contextmanager
