@@ -12,10 +12,12 @@ from pathlib import Path
 
 from nedolm.train.testing import all_frozen, frozen, pending_signals
 
-# Counts in COUNT every 10 ms; on SIGTERM writes the count it had reached to HANDLED and exits.
+# Counts in COUNT every 10 ms (one fixed-width write each: a freeze never finds it half-written);
+# on SIGTERM writes the count it had reached to HANDLED and exits.
 COUNTER = """
-import signal, sys, time
+import os, signal, sys, time
 count_file, handled_file = sys.argv[1:]
+fd = os.open(count_file, os.O_WRONLY | os.O_CREAT)
 count = 0
 def handle(*_):
     open(handled_file, "w").write(str(count))
@@ -23,14 +25,14 @@ def handle(*_):
 signal.signal(signal.SIGTERM, handle)
 while True:
     count += 1
-    open(count_file, "w").write(str(count))
+    os.pwrite(fd, b"%012d" % count, 0)
     time.sleep(0.01)
 """
 
 
 def _count(path: Path) -> int:
     text = path.read_text() if path.exists() else ""
-    return int(text) if text else 0  # empty while the child rewrites it
+    return int(text) if text else 0  # not created yet
 
 
 def test_a_frozen_process_neither_counts_nor_handles_a_signal_until_the_block_ends(
