@@ -63,9 +63,8 @@ def wait_for_log(job: LaunchedJob, needle: str, count: int = 1) -> None:
 def wait_for_handler(job: LaunchedJob, signum: int) -> None:
     """Until the job's process handles ``signum`` (~50 ms after it starts): signalled earlier,
     the default action kills it, as it would any program."""
-    job.wait_for(
-        lambda: signum in caught_signals(job.proc.pid), f"a handler for {signum}", timeout=30
-    )
+    name = signal.Signals(signum).name
+    job.wait_for(lambda: signum in caught_signals(job.proc.pid), f"a {name} handler", timeout=30)
 
 
 def trained_steps(run_dir: Path) -> list[int]:

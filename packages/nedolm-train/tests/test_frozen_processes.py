@@ -56,5 +56,6 @@ def test_a_frozen_process_neither_counts_nor_handles_a_signal_until_the_block_en
         assert child.wait(timeout=30) == 0
     finally:
         child.kill()
-    # Handled as soon as it went on: at the count it was frozen at (or the one it was writing).
+    # Handled as soon as it went on: at the count frozen in the file, or one more if the freeze
+    # came between counting and writing.
     assert int(handled_file.read_text()) - seen in (0, 1)
