@@ -8,13 +8,13 @@ are not part of the recipe; the loader's batch order does not depend on its work
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from nedolm.train.testing import caught_signals
 
 pytestmark = pytest.mark.slow
 SLOW_FETCH = {"NEDOLM_TEST_DELAY": "data_fetch=0.15"}  # room to signal mid-run; no numeric effect
@@ -126,7 +126,8 @@ def test_sigterm_during_startup_imports_is_kept(harness, make_config) -> None:
     """`python -m nedolm.train` installs its handlers before importing torch."""
     config = make_config(train={"max_steps": 3})
     job = harness.Job(config)
-    time.sleep(1.0)  # the interpreter is up; torch and the model are still importing
+    # Handled from ~50 ms after exec; torch and the model then import for seconds.
+    job.wait_for(lambda: signal.SIGTERM in caught_signals(job.procs[0].pid), "a SIGTERM handler")
     job.signal(signal.SIGTERM)
     job.wait_ok()
     assert list_checkpoints(job.run_dir) == [] and harness.logged_step(job.run_dir) == 0
