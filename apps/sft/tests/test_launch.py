@@ -19,6 +19,7 @@ from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_ch
 from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
 from nedolm.train.testing import (
+    STOP_TEST_MAX_STEPS,
     LaunchedJob,
     frozen,
     init_tiny_base,
@@ -28,7 +29,6 @@ from nedolm.train.testing import (
 )
 
 pytestmark = pytest.mark.slow
-MAX_STEPS = 8  # write_stop_test_config's max_steps
 SLOW_FETCH = {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}  # room to act mid-run; no numeric effect
 SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 
@@ -93,7 +93,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_
         assert f"[rank {rank}] WARNING stop requested (SIGTERM): stopped at step {step}" in out
     assert f"launch: SIGTERM: every rank stopped at step {step} on a valid checkpoint" in out
     state = load_checkpoint(path)
-    assert 3 <= step < MAX_STEPS and len(state["ranks"]) == 2
+    assert 3 <= step < STOP_TEST_MAX_STEPS and len(state["ranks"]) == 2
     assert state["progress"]["step"] == step
 
     launch(config).wait_ok()  # same world size: exactly the uninterrupted 2-rank run
@@ -184,7 +184,7 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_a_relaunch_resumes_exactl
         time.sleep(0.1)
     out = job.output()
     [(step, _)] = list_checkpoints(job.run_dir)
-    assert 3 <= step < MAX_STEPS, "the ranks trained on to the end instead of stopping"
+    assert 3 <= step < STOP_TEST_MAX_STEPS, "the ranks trained on to the end instead of stopping"
     for rank in (0, 1):  # each rank saw the launcher go, then took the SIGTERM stop path
         assert f"[rank {rank}] nedolm: the launcher (pid {job.proc.pid}) is gone" in out
         assert f"[rank {rank}] WARNING stop requested (SIGTERM): stopped at step {step}" in out

@@ -18,6 +18,7 @@ from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.testing import (
     JOB_ENV,
+    STOP_TEST_MAX_STEPS,
     LaunchedJob,
     all_frozen,
     init_tiny_base,
@@ -27,7 +28,7 @@ from nedolm.train.testing import (
 pytestmark = pytest.mark.slow
 SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 # Control points and checkpoints far apart: only the per-step agreement can stop these runs early.
-SPARSE_CONTROL = {"max_steps": 40, "control_interval": 1000, "ckpt_interval": 1000}
+SPARSE_CONTROL = {"control_interval": 1000, "ckpt_interval": 1000}
 SLOW_STEPS = {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}
 COUNTER = Path(__file__).with_name("collective_counting_rank.py")
 
@@ -104,7 +105,7 @@ def test_ctrl_c_under_tee_stops_on_a_checkpoint_although_the_pipe_died(
     assert tee_code == -signal.SIGINT  # the pipe's reader died with the Ctrl-C
     assert job_code == 0, log[-3000:]
     stopped = stop_checkpoint(run_dir)
-    assert stopped < SPARSE_CONTROL["max_steps"]
+    assert stopped < STOP_TEST_MAX_STEPS
     assert f"stop requested (SIGINT): stopped at step {stopped}" in log
     assert f"step {stopped}/" in log  # logged to train.log although stderr was gone
 

@@ -18,6 +18,7 @@ from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
 from nedolm.train.testing import (
+    STOP_TEST_MAX_STEPS,
     LaunchedJob,
     caught_signals,
     init_tiny_base,
@@ -26,7 +27,6 @@ from nedolm.train.testing import (
 
 pytestmark = pytest.mark.slow
 SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
-MAX_STEPS = 8  # write_stop_test_config's max_steps
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_first_ctrl_c_stops_on_a_checkpoint_and_a_second_aborts_naming_the_one_l
     job.wait_ok()
     run_dir, out = job.run_dir, job.output()
     [(stopped, path)] = list_checkpoints(run_dir)
-    assert 2 <= stopped < MAX_STEPS and load_checkpoint(path)["step"] == stopped
+    assert 2 <= stopped < STOP_TEST_MAX_STEPS and load_checkpoint(path)["step"] == stopped
     assert (
         "nedolm: SIGINT received: stopping after the next optimizer step; a checkpoint is coming "
         "(Ctrl-C again aborts without it)"
@@ -231,7 +231,9 @@ def test_a_sigterm_to_a_smoke_launch_is_judged_by_its_scratch_run_dir(
     corpus: Path, base: Path, tmp_path: Path
 ) -> None:
     config = write_stop_test_config(tmp_path / "smoke.yaml", corpus, base)
-    job = launch(config, {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}, "--smoke-steps", "6")
+    job = launch(
+        config, {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}, "--smoke-steps", str(STOP_TEST_MAX_STEPS)
+    )
     scratch = job.run_dir.with_name(job.run_dir.name + ".smoke")  # where --smoke-steps trains
     job.wait_for(lambda: len(trained_steps(scratch)) >= 2, "2 steps", timeout=180)
     os.kill(job.proc.pid, signal.SIGTERM)

@@ -189,9 +189,15 @@ def sft_paths(run_dir: Path, base: Path, corpus: Path) -> dict[str, str]:
     }
 
 
+# Room for a test that signals "after step 2" of 0.3 s steps: its signal lands after the last
+# step only if the test process stalls for ~10 s.
+STOP_TEST_MAX_STEPS = 40
+
+
 def write_stop_test_config(path: Path, corpus: Path, base: Path, **train: object) -> Path:
-    """A small SFT YAML for signal tests, its run dir ``path`` without its suffix: 8 eager steps
-    of one 256-token window, a stop honoured at every step, no validation; ``train`` overrides."""
+    """A small SFT YAML for signal tests, its run dir ``path`` without its suffix:
+    ``STOP_TEST_MAX_STEPS`` eager steps of one 256-token window, a stop honoured at every step,
+    no validation; ``train`` overrides."""
     doc = {
         **sft_paths(path.with_suffix(""), base, corpus),
         "optim": {"lr": 3e-3, "warmup_steps": 2},
@@ -199,7 +205,7 @@ def write_stop_test_config(path: Path, corpus: Path, base: Path, **train: object
             "seq_len": 256,
             "micro_batch_size": 1,
             "grad_accum_steps": 1,
-            "max_steps": 8,
+            "max_steps": STOP_TEST_MAX_STEPS,
             "num_workers": 0,
             "compile": False,
             "compile_backend": "aot_eager",
