@@ -31,7 +31,7 @@ from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.signals import STOP_SIGNALS
-from nedolm.train.testing import init_tiny_base, sft_paths
+from nedolm.train.testing import all_frozen, init_tiny_base, sft_paths
 
 FIXTURES = Path(__file__).resolve().parents[2] / "nedolm-data" / "tests" / "fixtures"
 SEQ_LEN = 256
@@ -226,6 +226,14 @@ class Job:
     def wait_for_step(self, step: int) -> None:
         self.wait_for(lambda: logged_step(self.run_dir) >= step, f"step {step}")
 
+    def kill_9_frozen(self) -> int:
+        """SIGKILL every rank's process group while the ranks are frozen, so at a known point:
+        right after the last step they had logged, which it returns."""
+        with all_frozen(*(proc.pid for proc in self.procs)):
+            logged = logged_step(self.run_dir)
+            self.signal(signal.SIGKILL)
+        return logged
+
     def wait_for_log(self, needle: str) -> None:
         log = self.run_dir / "train.log"
         self.wait_for(
@@ -242,6 +250,14 @@ def logged_step(run_dir: Path) -> int:
         with contextlib.suppress(json.JSONDecodeError):  # a line being written right now
             steps.append(int(json.loads(line).get("step", 0)))
     return max(steps)
+
+
+def left_by_kill_9(logged: int, ckpt_interval: int) -> tuple[int, int]:
+    """The steps a run killed right after logging step ``logged`` may resume from: a step is
+    logged before its checkpoint is started, which is written in the background, so the newest
+    one due may be unfinished and the one before it is left."""
+    newest_due = logged // ckpt_interval * ckpt_interval
+    return newest_due - ckpt_interval, newest_due
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:
@@ -352,6 +368,7 @@ def harness() -> SimpleNamespace:
         UNCLIPPED=UNCLIPPED,
         write_config=write_config,
         logged_step=logged_step,
+        left_by_kill_9=left_by_kill_9,
         EPOCH_STEPS=EPOCH_STEPS,
         MAX_STEPS=MAX_STEPS,
         SEQ_LEN=SEQ_LEN,

@@ -10,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from nedolm.train.testing import all_frozen, frozen, pending_signals
+import pytest
+
+from nedolm.train.testing import JobFailed, all_frozen, frozen, pending_signals, process_running
 
 # Counts in COUNT every 10 ms (one fixed-width write each: a freeze never finds it half-written);
 # on SIGTERM writes the count it had reached to HANDLED and exits.
@@ -59,3 +61,15 @@ def test_a_frozen_process_neither_counts_nor_handles_a_signal_until_the_block_en
     # Handled as soon as it went on: at the count frozen in the file, or one more if the freeze
     # came between counting and writing.
     assert int(handled_file.read_text()) - seen in (0, 1)
+
+
+def test_a_process_that_has_ended_is_named_at_once_not_waited_for() -> None:
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    while process_running(ended.pid):  # a zombie until reaped: it never stops
+        time.sleep(0.01)
+    started = time.monotonic()
+    failed = pytest.raises(JobFailed, match=rf"processes \[{ended.pid}\] ended before")
+    with failed, all_frozen(ended.pid):
+        pytest.fail("the block ran")
+    assert time.monotonic() - started < 10  # not all_frozen's 30 s timeout
+    ended.wait()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from nedolm.train.testing import all_frozen, caught_signals
+from nedolm.train.testing import caught_signals
 
 pytestmark = pytest.mark.slow
 SLOW_FETCH = {"NEDOLM_TEST_DELAY": "data_fetch=0.15"}  # room to signal mid-run; no numeric effect
@@ -48,15 +48,10 @@ def test_kill_9_then_resume_from_last_checkpoint_is_bitwise_exact(
     config = make_config(train={"ckpt_interval": 3})
     job = harness.Job(config, env=SLOW_FETCH)
     job.wait_for_step(8)
-    with all_frozen(job.procs[0].pid):  # killed right after the step it has logged
-        logged = harness.logged_step(job.run_dir)
-        job.signal(signal.SIGKILL)
+    logged = job.kill_9_frozen()
     job.wait()
     resumed_from = load_checkpoint(latest_checkpoint(job.run_dir))["step"]
-    # A step is logged before its checkpoint is started, which is written in the background:
-    # the newest one due by then may be unfinished, and the one before it is left.
-    newest_due = logged // 3 * 3
-    assert resumed_from in (newest_due - 3, newest_due)
+    assert resumed_from in harness.left_by_kill_9(logged, 3)
     harness.Job(config).wait_ok()
     _assert_matches_reference(harness, job.run_dir, reference)
 

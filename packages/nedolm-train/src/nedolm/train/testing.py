@@ -168,6 +168,8 @@ def all_frozen(*pids: int, timeout: float = 30) -> Iterator[None]:
     try:
         deadline = time.monotonic() + timeout
         while not all(frozen(pid) for pid in pids):
+            if ended := [pid for pid in pids if not process_running(pid)]:
+                raise JobFailed(f"processes {ended} ended before they could be frozen")
             if time.monotonic() > deadline:
                 raise JobFailed(f"processes {pids} not all stopped after {timeout:.0f} s")
             time.sleep(0.01)
