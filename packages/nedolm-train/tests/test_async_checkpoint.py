@@ -104,11 +104,15 @@ def test_sigterm_during_a_background_write_completes_it_then_saves_the_stop_and_
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("fails_after_s", [0, 2], ids=["at-once", "when-the-next-save-waits"])
 def test_a_failed_background_write_stops_every_rank_naming_the_file(
-    harness, make_config, world_size: int
+    harness, make_config, world_size: int, fails_after_s: int
 ) -> None:
     config = make_config(train={"ckpt_interval": 3})
-    fault = {"NEDOLM_TEST_FAULT": "checkpoint_commit@0"}
+    fault = {
+        "NEDOLM_TEST_FAULT": "checkpoint_commit@0",
+        "NEDOLM_TEST_DELAY": f"checkpoint_commit={fails_after_s}",
+    }
     job = harness.Job(config, world_size=world_size, env=fault)
     assert job.wait() == [1] * world_size
     target = job.run_dir / "checkpoints" / "step-00000003.pt"
@@ -119,7 +123,9 @@ def test_a_failed_background_write_stops_every_rank_naming_the_file(
             "the previous checkpoints are intact"
         ) in job.output(rank)
     assert list_checkpoints(job.run_dir) == [] and not _temporaries(job.run_dir)
-    assert harness.logged_step(job.run_dir) < 6  # reported at a control point, not at the end
+    # Reported at the first control point after the write failed, or when the next checkpoint
+    # waits for it (a slow write) at step 6: long before the end (step 22).
+    assert harness.logged_step(job.run_dir) <= 6
 
 
 def _open_or_mapped_under(pid: int, directory: Path) -> list[str]:
