@@ -104,7 +104,7 @@ def test_sigterm_during_a_background_write_completes_it_then_saves_the_stop_and_
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("fails_after_s", [0, 2], ids=["at-once", "when-the-next-save-waits"])
+@pytest.mark.parametrize("fails_after_s", [0, 2], ids=["fails-at-once", "fails-after-2s"])
 def test_a_failed_background_write_stops_every_rank_naming_the_file(
     harness, make_config, world_size: int, fails_after_s: int
 ) -> None:
