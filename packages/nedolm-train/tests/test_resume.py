@@ -7,6 +7,7 @@ are not part of the recipe; the loader's batch order does not depend on its work
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -76,10 +77,22 @@ def test_resume_exactly_at_the_epoch_boundary(
     _assert_matches_reference(harness, run_dir, reference, first_step=harness.EPOCH_STEPS + 1)
 
 
-def test_sigterm_with_loader_workers_resumes_exactly(harness, reference, make_config) -> None:
-    """Workers ignore SIGTERM sent to the whole process group, so the main process saves."""
+FORKSERVER_DEFAULT = Path(__file__).with_name("forkserver_default")  # Python 3.14's default
+
+
+@pytest.mark.parametrize("forkserver_default", [False, True], ids=["as-installed", "forkserver"])
+def test_sigterm_with_loader_workers_resumes_exactly(
+    harness, reference, make_config, forkserver_default: bool
+) -> None:
+    """Workers ignore SIGTERM sent to the whole process group, so the main process saves,
+    whatever Python's default start method."""
     config = make_config(train={"num_workers": 2})
-    job = harness.Job(config, env=SLOW_FETCH)
+    env = dict(SLOW_FETCH)
+    if forkserver_default:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(FORKSERVER_DEFAULT), os.environ.get("PYTHONPATH")])
+        )
+    job = harness.Job(config, env=env)
     job.wait_for_step(harness.EPOCH_STEPS - 2)  # resume across the epoch boundary
     job.signal(signal.SIGTERM)
     job.wait_ok()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -599,6 +600,7 @@ def build_sft_loader(
             "prefetch_factor": prefetch_factor,
             "persistent_workers": persistent_workers,
             "worker_init_fn": StopSignalGuard(),
+            "multiprocessing_context": _worker_start_method(),
         }
     dataloader = DataLoader(
         dataset,
@@ -642,6 +644,14 @@ class StopSignalGuard:
     def _on_sigterm(self, _signum: int, _frame: object) -> None:
         if self.exiting[0]:
             os._exit(0)
+
+
+def _worker_start_method() -> str | None:
+    """``fork`` where the platform has it, whatever Python's default: ``StopSignalGuard``
+    needs the workers to be the trainer's children. Under ``forkserver`` (Python 3.14's
+    default on Linux) their parent is the fork server, which a job-wide SIGTERM kills, and the
+    workers die with it while the trainer still needs batches to reach its stop checkpoint."""
+    return "fork" if "fork" in multiprocessing.get_all_start_methods() else None
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
