@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import multiprocessing
 import os
 import signal
 import sys
@@ -647,11 +646,12 @@ class StopSignalGuard:
 
 
 def _worker_start_method() -> str | None:
-    """``fork`` where the platform has it, whatever Python's default: ``StopSignalGuard``
-    needs the workers to be the trainer's children. Under ``forkserver`` (Python 3.14's
-    default on Linux) their parent is the fork server, which a job-wide SIGTERM kills, and the
-    workers die with it while the trainer still needs batches to reach its stop checkpoint."""
-    return "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    """``fork`` on Linux, whatever Python's default: ``StopSignalGuard`` needs the workers to
+    be the trainer's children. Under ``forkserver`` (Python 3.14's default there) their parent
+    is the fork server, which a job-wide SIGTERM kills, and the workers die with it while the
+    trainer still needs batches to reach its stop checkpoint. Elsewhere Python's default (macOS:
+    ``spawn``, as fork is unsafe there)."""
+    return "fork" if sys.platform.startswith("linux") else None
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
