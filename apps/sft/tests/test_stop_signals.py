@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from nedolm.train.testing import (
     LaunchedJob,
     caught_signals,
     init_tiny_base,
+    torch_at_stop_installs,
     write_stop_test_config,
 )
 
@@ -79,37 +79,12 @@ def assert_stopped_before_step_1(run_dir: Path) -> None:
     assert (record["step"], record["trained"]) == (0, False)
 
 
-# Runs the CLI with ``install_early`` wrapped to record whether torch was imported by then.
-HANDLERS_BEFORE_TORCH = """
-import sys
-import nedolm.train.signals as signals
-install, torch_loaded = signals.install_early, []
-def recording():
-    torch_loaded.append("torch" in sys.modules)
-    return install()
-signals.install_early = recording
-from nedolm_sft.cli import main
-sys.argv = ["nedolm-sft", *sys.argv[1:]]
-try:
-    main()
-except SystemExit:
-    pass
-print(torch_loaded)
-"""
-
-
 @pytest.mark.parametrize("command", ["run", "launch"])
 def test_the_stop_handlers_are_installed_before_torch_is_imported(
     command: str, tmp_path: Path
 ) -> None:
     """The seconds torch takes to import are covered (the next tests signal in them)."""
-    done = subprocess.run(
-        [sys.executable, "-c", HANDLERS_BEFORE_TORCH, command, str(tmp_path / "none.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.stdout.splitlines()[-1] == "[False]", done.stdout + done.stderr[-2000:]
+    assert torch_at_stop_installs("nedolm_sft", command, str(tmp_path / "none.yaml")) == [False]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])

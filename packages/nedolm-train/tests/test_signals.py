@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 
 from nedolm.train.faults import InjectedFault, maybe_inject
 from nedolm.train.signals import StopRequest, claim, install_early
+from nedolm.train.testing import torch_at_stop_installs
 
 
 def deliver(signum: int) -> None:
@@ -94,30 +93,6 @@ def test_fault_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert time.monotonic() - started >= 0.2
 
 
-# Runs `python -m nedolm.train` with StopRequest.install wrapped to record whether torch was
-# imported by then; the missing config then ends it.
-HANDLERS_BEFORE_TORCH = """
-import runpy, sys
-from nedolm.train.signals import StopRequest
-install, torch_loaded = StopRequest.install, []
-def recording(self):
-    torch_loaded.append("torch" in sys.modules)
-    return install(self)
-StopRequest.install = recording
-sys.argv = ["nedolm.train", sys.argv[1]]
-try:
-    runpy.run_module("nedolm.train", run_name="__main__")
-finally:
-    print(torch_loaded)
-"""
-
-
 def test_the_module_entry_installs_its_handlers_before_torch_is_imported(tmp_path: Path) -> None:
     """So a signal in torch's seconds-long import is kept (test_resume signals there)."""
-    done = subprocess.run(
-        [sys.executable, "-c", HANDLERS_BEFORE_TORCH, str(tmp_path / "none.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.stdout.splitlines()[-1:] == ["[False]"], done.stdout + done.stderr[-2000:]
+    assert torch_at_stop_installs("nedolm.train", str(tmp_path / "none.yaml")) == [False]

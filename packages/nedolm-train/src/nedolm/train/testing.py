@@ -1,7 +1,8 @@
 """Support for tests that train for real: a random ``tiny`` base for a corpus, and a multi-rank
 job under a launcher (torchrun, ``nedolm-sft launch``) in its own session with its output in a
 file, a rank's process found by its environment and its state read from /proc, processes frozen
-while a test reads and signals them, waits that end a hung job instead of hanging the test run.
+while a test reads and signals them, waits that end a hung job instead of hanging the test run,
+and whether an entry point installs its stop handlers before it imports torch.
 
 Shipped with the package so that the fault tests of every package (and users' own) drive jobs
 the same way; nothing here is used by training itself.
@@ -14,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -155,6 +157,38 @@ def _signal_masks(pid: int, *fields: str) -> set[signal.Signals]:
         if name in fields:
             mask |= int(value, 16)
     return {sig for sig in signal.Signals if mask >> (sig - 1) & 1}
+
+
+# Runs ``python -m MODULE ARGS`` with ``StopRequest.install`` wrapped to record whether torch
+# had been imported at each call; prints the record as JSON however the module ends.
+_TORCH_AT_STOP_INSTALLS = """
+import json, runpy, sys
+from nedolm.train.signals import StopRequest
+install, torch_loaded = StopRequest.install, []
+def recording(self):
+    torch_loaded.append("torch" in sys.modules)
+    return install(self)
+StopRequest.install = recording
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__")
+finally:
+    print(json.dumps(torch_loaded))
+"""
+
+
+def torch_at_stop_installs(module: str, *args: str) -> list[bool]:
+    """Whether torch had been imported each time ``python -m MODULE ARGS`` installed its stop
+    handlers: a signal in torch's seconds-long import is kept only if the first is False."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TORCH_AT_STOP_INSTALLS, module, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if not done.stdout.strip():
+        raise JobFailed(f"python -m {module} printed no record:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 @contextlib.contextmanager
