@@ -22,9 +22,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -98,6 +101,15 @@ def launch(argv: tuple[str, ...]) -> None:
     if early.requested:
         _stopped_before_start(early.describe())
         return
+    with _scratch_log_dir(args):
+        _run_agent(args, signals, run_dir, launch_id)
+
+
+def _run_agent(
+    args: argparse.Namespace, signals: _LauncherSignals, run_dir: Path, launch_id: str
+) -> None:
+    """torch's agent runs the ranks; its SignalException and ChildFailedError become this
+    command's exit status and message."""
     try:
         torchrun.run(args)
     except SignalException as exc:
@@ -125,6 +137,30 @@ def launch(argv: tuple[str, ...]) -> None:
             f"rank {rank} failed first (exit code {failure.exitcode}; its log is above); "
             "fix the cause and re-run the same command to resume from the last checkpoint"
         ) from exc
+
+
+@contextlib.contextmanager
+def _scratch_log_dir(args: argparse.Namespace) -> Iterator[None]:
+    """Give torch's agent a log directory that goes when the launch does.
+
+    Without ``--log-dir`` torchrun makes a ``torchelastic_*`` tree under the temporary
+    directory for every launch (a folder per rank, for ``--redirects``/``--tee`` logs and
+    error files) and never removes it: on a shared node they pile up. The launch makes that
+    tree itself and removes it at the end when nothing was written into it; where something
+    was, the user asked for it, so it stays and is named (torch logs where only at INFO).
+    """
+    if args.log_dir is not None or args.logs_specs is not None:  # the user's: theirs to keep
+        yield
+        return
+    scratch = Path(tempfile.mkdtemp(prefix="nedolm-launch-"))
+    args.log_dir = str(scratch)
+    try:
+        yield
+    finally:
+        if any(path.is_file() for path in scratch.rglob("*")):
+            tell(f"launch: torchrun's per-rank logs are in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 class _LauncherSignals:
