@@ -81,7 +81,9 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_
     corpus: Path, base: Path, tmp_path: Path, reference: Path
 ) -> None:
     config = write_stop_test_config(tmp_path / "stopped.yaml", corpus, base)
-    job = launch(config, env=SLOW_FETCH)
+    scratch = tmp_path / "tmp"  # the launches' temporary directory: left empty by each
+    scratch.mkdir()
+    job = launch(config, env={**SLOW_FETCH, "TMPDIR": str(scratch)})
     job.wait_for_step(3)
     os.kill(job.proc.pid, signal.SIGTERM)  # the launcher itself, as a scheduler would
     signalled = time.monotonic()
@@ -96,13 +98,14 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_
     assert 3 <= step < STOP_TEST_MAX_STEPS and len(state["ranks"]) == 2
     assert state["progress"]["step"] == step
 
-    launch(config).wait_ok()  # same world size: exactly the uninterrupted 2-rank run
+    launch(config, env={"TMPDIR": str(scratch)}).wait_ok()  # same world size: bitwise the same
     assert_same_run(job.run_dir, reference)
 
-    single = launch(config, nproc=1)  # another world size: refused, naming both
+    single = launch(config, nproc=1, env={"TMPDIR": str(scratch)})  # refused, naming both sizes
     assert single.wait() == 1
     assert "execution.world_size: checkpoint 2 != now 1" in single.output()
     assert "rank 0 failed first (exit code 1; its log is above)" in single.output()
+    assert list(scratch.rglob("attempt_*")) == []  # a stop, an end and a failure left nothing
 
 
 def test_a_rank_killed_during_the_stop_makes_the_launcher_exit_128_plus_sigterm(
