@@ -83,7 +83,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_
     config = write_stop_test_config(tmp_path / "stopped.yaml", corpus, base)
     scratch = tmp_path / "tmp"  # the launches' temporary directory: left empty by each
     scratch.mkdir()
-    job = launch(config, env={**SLOW_FETCH, "TMPDIR": str(scratch)})
+    in_scratch = {"TMPDIR": str(scratch)}
+    job = launch(config, env={**SLOW_FETCH, **in_scratch})
     job.wait_for_step(3)
     os.kill(job.proc.pid, signal.SIGTERM)  # the launcher itself, as a scheduler would
     signalled = time.monotonic()
@@ -98,10 +99,10 @@ def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_
     assert 3 <= step < STOP_TEST_MAX_STEPS and len(state["ranks"]) == 2
     assert state["progress"]["step"] == step
 
-    launch(config, env={"TMPDIR": str(scratch)}).wait_ok()  # same world size: bitwise the same
+    launch(config, env=in_scratch).wait_ok()  # same world size: bitwise the same
     assert_same_run(job.run_dir, reference)
 
-    single = launch(config, nproc=1, env={"TMPDIR": str(scratch)})  # refused, naming both sizes
+    single = launch(config, nproc=1, env=in_scratch)  # refused, naming both sizes
     assert single.wait() == 1
     assert "execution.world_size: checkpoint 2 != now 1" in single.output()
     assert "rank 0 failed first (exit code 1; its log is above)" in single.output()
