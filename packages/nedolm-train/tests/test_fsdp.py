@@ -111,9 +111,10 @@ def test_compiled_blocks_train_under_fsdp_and_ddp_as_eager_with_no_recompile(
 
 def test_kill_9_then_resume_under_fsdp_is_exact(harness, pair, make_config):
     config = make_config("killed", train={**RECIPE, "parallelism": "fsdp", "ckpt_interval": 3})
-    # 0.4 s steps: the 10-step job ends only if this test stalls > 1 s after step 7.
-    job = harness.Job(config, world_size=2, env={"NEDOLM_TEST_DELAY": "data_fetch=0.4"})
-    job.wait_for_step(7)
+    # 0.5 s steps: the 10-step job ends before the kill only if this test stalls 2 s after
+    # step 6, and the kill leaves step 3 or 6 (6 may be unfinished).
+    job = harness.Job(config, world_size=2, env={"NEDOLM_TEST_DELAY": "data_fetch=0.5"})
+    job.wait_for_step(6)
     logged = job.kill_9_frozen()
     job.wait()
     assert read_checkpoint(latest_checkpoint(job.run_dir))["step"] in harness.left_by_kill_9(
