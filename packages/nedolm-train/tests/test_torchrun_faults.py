@@ -16,12 +16,11 @@ import pytest
 
 from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.stop_record import STOP_RECORD
-from nedolm.train.testing import LaunchedJob
+from nedolm.train.testing import STOP_TEST_MAX_STEPS, LaunchedJob
 
 pytestmark = pytest.mark.slow
 COLLECTIVE_TIMEOUT_S = 30
 SLOW_FETCH = {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}  # room to act mid-run; no numeric effect
-SETTINGS = {"train": {"grad_accum_steps": 1, "max_steps": 8}}
 
 
 def torchrun(config: Path, nproc: int = 2, env: dict[str, str] | None = None) -> LaunchedJob:
@@ -46,7 +45,8 @@ def test_a_rank_killed_mid_step_is_named_by_the_survivor(make_config) -> None:
 def test_sigterm_to_torchrun_stops_every_rank_on_one_checkpoint_but_torchrun_exits_1(
     make_config,
 ) -> None:
-    config = make_config("stopped", **SETTINGS)
+    # Steps to spare: the job ends on its own only if this test stalls ~10 s after step 3.
+    config = make_config("stopped", train={"grad_accum_steps": 1, "max_steps": STOP_TEST_MAX_STEPS})
     job = torchrun(config, env=SLOW_FETCH)
     job.wait_for_step(3)
     os.kill(job.proc.pid, signal.SIGTERM)  # torchrun itself, as a scheduler would
@@ -61,7 +61,7 @@ def test_sigterm_to_torchrun_stops_every_rank_on_one_checkpoint_but_torchrun_exi
     for rank in (0, 1):  # every rank agreed on the same stop step, then returned normally
         assert f"[rank {rank}] WARNING stop requested (SIGTERM): stopped at step {step}" in out
     state = load_checkpoint(path)
-    assert 3 <= step < 8 and len(state["ranks"]) == 2
+    assert 3 <= step < STOP_TEST_MAX_STEPS and len(state["ranks"]) == 2
     assert state["progress"]["step"] == step
     record = json.loads((job.run_dir / STOP_RECORD).read_text(encoding="utf-8"))
     assert record == {"step": step, "trained": True, "world_size": 2, "launch_ids": [""]}
