@@ -1,12 +1,14 @@
 """``nedolm-sft launch`` with real processes and real signals (2 gloo ranks): a SIGTERM to the
 launcher stops every rank on one checkpoint and exits 0, the resume reproduces the uninterrupted
 run exactly, a stop that a rank did not survive exits 128 + SIGTERM naming why, and a launcher
-killed outright takes its ranks with it on a checkpoint."""
+killed outright takes its ranks with it on a checkpoint (its empty log folder goes at the next
+launch)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -176,8 +178,12 @@ def test_sigusr1_slurms_warning_also_stops_cleanly_with_exit_0(
 def test_a_killed_launcher_takes_its_ranks_with_it_and_a_relaunch_resumes_exactly(
     corpus: Path, base: Path, tmp_path: Path, reference: Path
 ) -> None:
+    """The relaunch also removes the log folder the killed launcher left, and only that."""
     config = write_stop_test_config(tmp_path / "orphaned.yaml", corpus, base)
-    job = launch(config, env=SLOW_FETCH)
+    scratch = tmp_path / "tmp"  # the launches' temporary directory
+    scratch.mkdir()
+    in_scratch = {"TMPDIR": str(scratch)}
+    job = launch(config, env={**SLOW_FETCH, **in_scratch})
     job.wait_for_step(3)
     ranks = [job.rank_pid(rank) for rank in (0, 1)]
     os.kill(job.proc.pid, signal.SIGKILL)  # the launcher alone: its ranks have own sessions
@@ -193,8 +199,22 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_a_relaunch_resumes_exactl
         assert f"[rank {rank}] nedolm: the launcher (pid {job.proc.pid}) is gone" in out
         assert f"[rank {rank}] WARNING stop requested (SIGTERM): stopped at step {step}" in out
 
-    launch(config).wait_ok()  # at once: the run dir's lock was released with the ranks
+    [abandoned] = scratch.glob("nedolm-launch-*")  # the killed launcher's log folder, empty
+    host = socket.gethostname()
+    assert abandoned.name.startswith(f"nedolm-launch-{host}-{job.proc.pid}-")
+    kept = [
+        scratch / f"nedolm-launch-{host}-{os.getpid()}-live",  # its launcher still runs
+        scratch / f"nedolm-launch-other-{host}-{job.proc.pid}-elsewhere",  # another host's
+        scratch / f"nedolm-launch-{host}-{job.proc.pid}-logged" / "0",  # holds a log
+    ]
+    for folder in kept:
+        folder.mkdir(parents=True)
+    (kept[-1] / "stderr.log").write_text("a killed launch's log\n", encoding="utf-8")
+
+    launch(config, env=in_scratch).wait_ok()  # at once: the run dir's lock was released
     assert_same_run(job.run_dir, reference)
+    left = sorted(scratch.glob("nedolm-launch-*"))
+    assert left == sorted([*kept[:2], kept[-1].parent])  # and the relaunch removed its own
 
 
 def test_a_launch_with_tee_keeps_the_per_rank_logs_and_says_where(

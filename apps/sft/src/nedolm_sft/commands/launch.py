@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -45,6 +47,7 @@ from nedolm_sft.commands.train import config_to_run, run
 # torchrun's default signals plus SIGUSR1, SLURM's usual pre-emption warning; the workers
 # treat SIGTERM and SIGUSR1 as a stop request. ``--signals-to-handle`` still overrides this.
 HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SCRATCH_PREFIX = "nedolm-launch-"  # then "<host>-<launcher pid>-<random>" (`_scratch_log_dir`)
 
 
 @click.command(
@@ -152,7 +155,9 @@ def _scratch_log_dir(args: argparse.Namespace) -> Iterator[None]:
     if args.log_dir is not None or args.logs_specs is not None:  # the user's: theirs to keep
         yield
         return
-    scratch = Path(tempfile.mkdtemp(prefix="nedolm-launch-"))
+    host = socket.gethostname()
+    _remove_abandoned_scratch(Path(tempfile.gettempdir()), host)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{host}-{os.getpid()}-"))
     args.log_dir = str(scratch)
     try:
         yield
@@ -161,6 +166,35 @@ def _scratch_log_dir(args: argparse.Namespace) -> Iterator[None]:
             tell(f"launch: torchrun's per-rank logs are in {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _remove_abandoned_scratch(temp_dir: Path, host: str) -> None:
+    """Remove the empty log folders of this host's launches that were killed outright.
+
+    A launch killed with SIGKILL (a scheduler's last resort) cannot remove its folder. Its name
+    carries the host and the launcher's pid, so a later launch removes it once that pid is
+    gone, if it is this user's and holds no file (a log is the user's: it stays, as above).
+    """
+    named = re.compile(rf"{re.escape(SCRATCH_PREFIX + host)}-(\d+)-\w+")
+    for folder in temp_dir.glob(f"{SCRATCH_PREFIX}*"):
+        match = named.fullmatch(folder.name)
+        if match is None or not _gone(int(match[1])):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another launch removed it first
+            mine = folder.stat().st_uid == os.getuid()
+            if mine and not any(path.is_file() for path in folder.rglob("*")):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process has ``pid`` (another user's process still has it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
 
 
 class _LauncherSignals:
