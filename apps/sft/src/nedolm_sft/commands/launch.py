@@ -38,6 +38,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from nedolm.data.atomic import process_alive
 from nedolm.dist import LAUNCHER_PID_ENV
 from nedolm.train.signals import claim, tell
 from nedolm.train.stop_record import LAUNCH_ID_ENV, UncleanStop, left_behind, verify_stop
@@ -178,23 +179,12 @@ def _remove_abandoned_scratch(temp_dir: Path, host: str) -> None:
     named = re.compile(rf"{re.escape(SCRATCH_PREFIX + host)}-(\d+)-\w+")
     for folder in temp_dir.glob(f"{SCRATCH_PREFIX}*"):
         match = named.fullmatch(folder.name)
-        if match is None or not _gone(int(match[1])):
+        if match is None or process_alive(int(match[1])):
             continue
         with contextlib.suppress(FileNotFoundError):  # another launch removed it first
             mine = folder.stat().st_uid == os.getuid()
             if mine and not any(path.is_file() for path in folder.rglob("*")):
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-def _gone(pid: int) -> bool:
-    """Whether no process has ``pid`` (another user's process still has it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    return False
 
 
 class _LauncherSignals:

@@ -25,6 +25,18 @@ def is_temporary(path: Path) -> bool:
     return path.name.startswith(".") and TMP_MARK in path.name
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (one of another user's counts): a leftover that a name ties to
+    a process (``temporary_name``'s) is abandoned only once that process is gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a rename inside ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY)

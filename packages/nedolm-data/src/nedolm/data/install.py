@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from nedolm.data.atomic import fsync_dir
+from nedolm.data.atomic import fsync_dir, process_alive
 from nedolm.data.build_options import BuildError
 from nedolm.data.contract import PACKING_AUDIT_FILE, SHARD_MANIFEST_FILE
 from nedolm.data.inputs import input_sha256
@@ -63,7 +63,7 @@ def fresh_tmp_dir(out: Path, *subdirs: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -71,16 +71,6 @@ def fresh_tmp_dir(out: Path, *subdirs: str) -> Path:
     for subdir in subdirs:
         (tmp / subdir).mkdir()
     return tmp
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def install(tmp: Path, out: Path, overwrite: bool) -> bool:
