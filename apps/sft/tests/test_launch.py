@@ -79,12 +79,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, base: Path
     return job.run_dir
 
 
+@pytest.fixture
+def scratch(tmp_path: Path) -> Path:
+    """A temporary directory of the test's own for the launches (their ``TMPDIR``)."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    return folder
+
+
 def test_sigterm_to_the_launcher_stops_every_rank_on_one_checkpoint_exits_0_and_resumes_exactly(
-    corpus: Path, base: Path, tmp_path: Path, reference: Path
+    corpus: Path, base: Path, tmp_path: Path, reference: Path, scratch: Path
 ) -> None:
     config = write_stop_test_config(tmp_path / "stopped.yaml", corpus, base)
-    scratch = tmp_path / "tmp"  # the launches' temporary directory: left empty by each
-    scratch.mkdir()
     in_scratch = {"TMPDIR": str(scratch)}
     job = launch(config, env={**SLOW_FETCH, **in_scratch})
     job.wait_for_step(3)
@@ -176,12 +182,10 @@ def test_sigusr1_slurms_warning_also_stops_cleanly_with_exit_0(
 
 
 def test_a_killed_launcher_takes_its_ranks_with_it_and_a_relaunch_resumes_exactly(
-    corpus: Path, base: Path, tmp_path: Path, reference: Path
+    corpus: Path, base: Path, tmp_path: Path, reference: Path, scratch: Path
 ) -> None:
     """The relaunch also removes the log folder the killed launcher left, and only that."""
     config = write_stop_test_config(tmp_path / "orphaned.yaml", corpus, base)
-    scratch = tmp_path / "tmp"  # the launches' temporary directory
-    scratch.mkdir()
     in_scratch = {"TMPDIR": str(scratch)}
     job = launch(config, env={**SLOW_FETCH, **in_scratch})
     job.wait_for_step(3)
@@ -218,12 +222,10 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_a_relaunch_resumes_exactl
 
 
 def test_a_launch_with_tee_keeps_the_per_rank_logs_and_says_where(
-    corpus: Path, base: Path, tmp_path: Path
+    corpus: Path, base: Path, tmp_path: Path, scratch: Path
 ) -> None:
     """``--tee`` without ``--log-dir``: the per-rank logs land in the launch's own folder under
     the temporary directory, which then stays (the SIGTERM test above sees it go otherwise)."""
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
     config = write_stop_test_config(tmp_path / "teed.yaml", corpus, base)
     job = launch(config, env={"TMPDIR": str(scratch)}, options=("--tee", "3"))
     job.wait_ok()

@@ -163,7 +163,7 @@ def _scratch_log_dir(args: argparse.Namespace) -> Iterator[None]:
     try:
         yield
     finally:
-        if any(path.is_file() for path in scratch.rglob("*")):
+        if _holds_files(scratch):
             tell(f"launch: torchrun's per-rank logs are in {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -182,9 +182,13 @@ def _remove_abandoned_scratch(temp_dir: Path, host: str) -> None:
         if match is None or process_alive(int(match[1])):
             continue
         with contextlib.suppress(FileNotFoundError):  # another launch removed it first
-            mine = folder.stat().st_uid == os.getuid()
-            if mine and not any(path.is_file() for path in folder.rglob("*")):
+            if folder.stat().st_uid == os.getuid() and not _holds_files(folder):
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _holds_files(folder: Path) -> bool:
+    """Whether torch's agent wrote a file (a log, an error file) anywhere under ``folder``."""
+    return any(path.is_file() for path in folder.rglob("*"))
 
 
 class _LauncherSignals:
