@@ -12,30 +12,21 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from nedolm.train.testing import init_tiny_base
+from nedolm.train.testing import SMALL_BASE, init_tiny_base, write_sft_config
 from nedolm_sft.cli import cli
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("base") / "base"
-    return init_tiny_base(
-        out, corpus, {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
-    )
+    return init_tiny_base(out, corpus, SMALL_BASE)
 
 
-def write_config(path: Path, corpus: Path, base: Path, text: str = "") -> Path:
-    """A runnable SFT YAML (run dir ``path`` without its suffix) plus the YAML ``text``."""
-    doc = {
-        "run_dir": str(path.with_suffix("")),
-        "base_config": str(base / "config.yaml"),
-        "base_run_dir": str(base),
-        "data_dir": str(corpus),
-        "train": {"max_steps": 1, "num_workers": 0, "compile": False},
-        "validation": {"enabled": False},
-    }
-    path.write_text(yaml.safe_dump(doc) + text, encoding="utf-8")
-    return path
+def write_config(path: Path, corpus: Path, base: Path) -> Path:
+    """A runnable SFT YAML: one eager step, no validation; its run dir ``path`` without its
+    suffix."""
+    train = {"max_steps": 1, "num_workers": 0, "compile": False}
+    return write_sft_config(path, corpus, base, train=train, validation={"enabled": False})
 
 
 def error_lines(output: str) -> list[str]:

@@ -10,32 +10,23 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from nedolm.train.testing import init_tiny_base
+from nedolm.train.testing import SMALL_BASE, init_tiny_base, write_sft_config
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("base") / "base"
-    return init_tiny_base(
-        out, corpus, {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
-    )
+    return init_tiny_base(out, corpus, SMALL_BASE)
 
 
 def failing_run(tmp_path: Path, corpus: Path, base: Path, *options: str) -> str:
     """Run one step whose checkpoint fails on rank 0 (exit 1); return stderr."""
     tmp_path.mkdir()
-    config = tmp_path / "sft.yaml"
-    doc = {
-        "run_dir": str(tmp_path / "run"),
-        "base_config": str(base / "config.yaml"),
-        "base_run_dir": str(base),
-        "data_dir": str(corpus),
-        "train": {"max_steps": 1, "num_workers": 0, "compile": False},
-        "validation": {"enabled": False},
-    }
-    config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    train = {"max_steps": 1, "num_workers": 0, "compile": False}
+    config = write_sft_config(
+        tmp_path / "run.yaml", corpus, base, train=train, validation={"enabled": False}
+    )
     env = {**os.environ, "NEDOLM_TEST_FAULT": "checkpoint_write@0", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "nedolm_sft", *options, "run", str(config)],

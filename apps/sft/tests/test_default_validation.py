@@ -8,16 +8,11 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
 from nedolm.train.metrics import read_metrics, split_metrics
-from nedolm.train.testing import init_tiny_base
+from nedolm.train.testing import CLI_ENV, SMALL_BASE, init_tiny_base, write_sft_config
 
 FIXTURES = Path(__file__).resolve().parents[3] / "packages" / "nedolm-data" / "tests" / "fixtures"
 RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
-
-QUIET_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"}
-SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 
 
 def test_default_prepare_then_run_validates_on_the_held_out_shard(
@@ -28,29 +23,18 @@ def test_default_prepare_then_run_validates_on_the_held_out_shard(
     tokenizer = FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz"
     prepared = nedolm_sft(
         "prepare", *inputs, "--tokenizer", str(tokenizer), "--out", str(data),
-        "--seq-len", "256", "--no-progress", env=QUIET_ENV,
+        "--seq-len", "256", "--no-progress", env=CLI_ENV,
     )  # fmt: skip
     assert prepared.returncode == 0, prepared.stderr
     assert "20 shards, validation [19]," in prepared.stdout
     manifest = json.loads((data / "SHARD_MANIFEST.json").read_text(encoding="utf-8"))
     assert manifest["validation_shard_ids"] == [19]
 
-    base = init_tiny_base(tmp_path / "base", data, {**SMALL, "max_seq_len": 256})
-    config = tmp_path / "sft.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run_dir": "run",
-                "base_config": "base/config.yaml",
-                "base_run_dir": str(base),
-                "data_dir": str(data),
-                "optim": {"lr": 1e-3, "warmup_steps": 1},
-                "train": {"seq_len": 256, "max_steps": 2, "num_workers": 0},
-            }
-        ),
-        encoding="utf-8",
-    )
-    result = nedolm_sft("run", str(config), "--no-compile", env=QUIET_ENV)
+    base = init_tiny_base(tmp_path / "base", data, {**SMALL_BASE, "max_seq_len": 256})
+    optim = {"lr": 1e-3, "warmup_steps": 1}
+    train = {"seq_len": 256, "max_steps": 2, "num_workers": 0}
+    config = write_sft_config(tmp_path / "run.yaml", data, base, optim=optim, train=train)
+    result = nedolm_sft("run", str(config), "--no-compile", env=CLI_ENV)
     assert result.returncode == 0, result.stderr
     train_ids = ", ".join(str(i) for i in range(19))
     assert f"shards: train [{train_ids}], validate [19], held out by the corpus [19]" in (

@@ -9,15 +9,13 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from nedolm.train.testing import init_tiny_base
+from nedolm.train.testing import SMALL_BASE, init_tiny_base
 from nedolm_sft.cli import cli
-
-SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    return init_tiny_base(tmp_path_factory.mktemp("base") / "base", corpus, SMALL, seed=1)
+    return init_tiny_base(tmp_path_factory.mktemp("base") / "base", corpus, SMALL_BASE, seed=1)
 
 
 def invoke(*args: object) -> str:

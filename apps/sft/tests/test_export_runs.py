@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -24,7 +23,7 @@ from transformers import (
 
 from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.model import generate
-from nedolm.train.testing import save_tiny_hf_llama
+from nedolm.train.testing import save_tiny_hf_llama, write_sft_config
 from nedolm_sft.chat_model import load_chat_model
 
 FIXTURES = Path(__file__).resolve().parents[3] / "packages" / "nedolm-data" / "tests" / "fixtures"
@@ -95,13 +94,12 @@ def morph_base(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fine_tune(base: Path, data_dir: Path, run_dir: Path) -> Path:
     """``run_dir``: the base run ``base`` fine-tuned on ``data_dir`` for 3 steps by ``nedolm-sft
     run`` (its YAML beside the run directory)."""
-    config = {
-        "run_dir": str(run_dir),
-        "base_config": str(base / "config.yaml"),
-        "base_run_dir": str(base),
-        "data_dir": str(data_dir),
-        "optim": {"lr": 3e-3, "warmup_steps": 1},
-        "train": {
+    path = write_sft_config(
+        run_dir.with_suffix(".yaml"),
+        data_dir,
+        base,
+        optim={"lr": 3e-3, "warmup_steps": 1},
+        train={
             "seq_len": 256,
             "micro_batch_size": 1,
             "grad_accum_steps": 1,
@@ -109,10 +107,8 @@ def fine_tune(base: Path, data_dir: Path, run_dir: Path) -> Path:
             "num_workers": 0,
             "compile": False,
         },
-        "validation": {"enabled": False},
-    }
-    path = run_dir.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+        validation={"enabled": False},
+    )
     cli("run", path)
     return run_dir
 

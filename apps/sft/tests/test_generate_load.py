@@ -13,18 +13,17 @@ import pytest
 import torch
 
 from nedolm.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from nedolm.train.testing import LaunchedJob, init_tiny_base, write_stop_test_config
+from nedolm.train.testing import SMALL_BASE, LaunchedJob, init_tiny_base, write_stop_test_config
 from nedolm_sft.chat_model import Placement, load_chat_model
 
 pytestmark = pytest.mark.slow
-SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     """A 2-step SFT run with one checkpoint (optimizer state included)."""
     root = tmp_path_factory.mktemp("generate-load")
-    base = init_tiny_base(root / "base", corpus, {**SMALL, "max_seq_len": 256}, seed=1)
+    base = init_tiny_base(root / "base", corpus, {**SMALL_BASE, "max_seq_len": 256}, seed=1)
     config = write_stop_test_config(root / "run.yaml", corpus, base, max_steps=2)
     cmd = [sys.executable, "-m", "nedolm_sft", "run", str(config), "--no-compile"]
     LaunchedJob(cmd, config).wait_ok()

@@ -21,6 +21,7 @@ from nedolm.train.checkpoint import latest_checkpoint, list_checkpoints, load_ch
 from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
 from nedolm.train.testing import (
+    SMALL_BASE,
     STOP_TEST_MAX_STEPS,
     LaunchedJob,
     frozen,
@@ -32,13 +33,12 @@ from nedolm.train.testing import (
 
 pytestmark = pytest.mark.slow
 SLOW_FETCH = {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}  # room to act mid-run; no numeric effect
-SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("base") / "base"
-    return init_tiny_base(out, corpus, {**SMALL, "max_seq_len": 256}, seed=1)
+    return init_tiny_base(out, corpus, {**SMALL_BASE, "max_seq_len": 256}, seed=1)
 
 
 def launch(

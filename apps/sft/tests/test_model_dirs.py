@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from nedolm.train.testing import mounted_tmpfs
+from nedolm.train.testing import CLI_ENV, SMALL_BASE, mounted_tmpfs, set_options
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
-SMALL = ["d_model=64", "n_layers=1", "n_heads=2", "n_kv_heads=1", "ffn_dim=96", "max_seq_len=256"]
-QUIET_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"}
 
 
 @pytest.fixture
@@ -27,19 +25,19 @@ def test_a_failed_export_leaves_nothing_behind(
     nedolm_sft: RunCli, corpus: Path, tmp_path: Path, small_tmpfs: Path
 ) -> None:
     base = tmp_path / "base"
-    sets = [arg for item in SMALL for arg in ("--set", item)]
+    sets = set_options({**SMALL_BASE, "max_seq_len": 256})
     made = nedolm_sft(
         "init-base", "--preset", "tiny", "--data-dir", str(corpus), "--out", str(base), *sets
     )
     assert made.returncode == 0, made.stderr
     args = ("export", str(base), "--data-dir", str(corpus), "--out", str(small_tmpfs / "hf"))
-    result = nedolm_sft(*args, env=QUIET_ENV)
+    result = nedolm_sft(*args, env=CLI_ENV)
     assert result.returncode == 1
     assert "No space left on device" in result.stderr, result.stderr
     assert list(small_tmpfs.iterdir()) == []  # no hf/, no hf.tmp-export/
 
 
 def test_generate_on_a_corpus_says_it_is_a_corpus(nedolm_sft: RunCli, corpus: Path) -> None:
-    result = nedolm_sft("generate", str(corpus), "--prompt", "Merhaba", env=QUIET_ENV)
+    result = nedolm_sft("generate", str(corpus), "--prompt", "Merhaba", env=CLI_ENV)
     assert result.returncode == 2
     assert f"{corpus} is a prepared corpus, not a model" in result.stderr

@@ -18,6 +18,7 @@ from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.testing import (
     JOB_ENV,
+    SMALL_BASE,
     STOP_TEST_MAX_STEPS,
     LaunchedJob,
     all_frozen,
@@ -26,7 +27,6 @@ from nedolm.train.testing import (
 )
 
 pytestmark = pytest.mark.slow
-SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 # Control points and checkpoints far apart: only the per-step agreement can stop these runs early.
 SPARSE_CONTROL = {"control_interval": 1000, "ckpt_interval": 1000}
 SLOW_STEPS = {"NEDOLM_TEST_DELAY": "data_fetch=0.3"}
@@ -36,7 +36,7 @@ COUNTER = Path(__file__).with_name("collective_counting_rank.py")
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("base") / "base"
-    return init_tiny_base(out, corpus, {**SMALL, "max_seq_len": 256}, seed=1)
+    return init_tiny_base(out, corpus, {**SMALL_BASE, "max_seq_len": 256}, seed=1)
 
 
 def logged_step(run_dir: Path) -> int:

@@ -17,6 +17,7 @@ from nedolm.train.checkpoint import list_checkpoints, load_checkpoint
 from nedolm.train.metrics import read_metrics
 from nedolm.train.stop_record import STOP_RECORD
 from nedolm.train.testing import (
+    SMALL_BASE,
     STOP_TEST_MAX_STEPS,
     LaunchedJob,
     caught_signals,
@@ -26,13 +27,12 @@ from nedolm.train.testing import (
 )
 
 pytestmark = pytest.mark.slow
-SMALL = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("base") / "base"
-    return init_tiny_base(out, corpus, {**SMALL, "max_seq_len": 256}, seed=1)
+    return init_tiny_base(out, corpus, {**SMALL_BASE, "max_seq_len": 256}, seed=1)
 
 
 def run(config: Path, *options: str, env: dict[str, str] | None = None) -> LaunchedJob:

@@ -16,24 +16,21 @@ from nedolm.data.tokenizer import load_tokenizer
 from nedolm.model import morph_classes_from_vocab
 from nedolm.train.checkpoint import latest_checkpoint, load_checkpoint
 from nedolm.train.config import load_run_config
+from nedolm.train.testing import CLI_ENV, SMALL_BASE, set_options
 from nedolm_sft.cli import cli
 
-SMALL = ["d_model=64", "n_layers=1", "n_heads=2", "n_kv_heads=1", "ffn_dim=96", "max_seq_len=256"]
-
-
 RunCli = Callable[..., subprocess.CompletedProcess[str]]  # the conftest's nedolm_sft fixture
-QUIET_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"}
 
 
 def test_init_base_then_run_a_smoke_fine_tune(
     nedolm_sft: RunCli, corpus: Path, tmp_path: Path
 ) -> None:
     base = tmp_path / "base"
-    sets = [arg for item in SMALL for arg in ("--set", item)]
+    sets = set_options({**SMALL_BASE, "max_seq_len": 256})
     result = nedolm_sft(
         "init-base",
         *("--preset", "tiny", "--data-dir", str(corpus), "--out", str(base), *sets),
-        env=QUIET_ENV,
+        env=CLI_ENV,
     )
     assert result.returncode == 0, result.stderr
     run_config = load_run_config(base / "config.yaml")
@@ -65,7 +62,7 @@ def test_init_base_then_run_a_smoke_fine_tune(
         ),
         encoding="utf-8",
     )
-    result = nedolm_sft("run", str(config), "--smoke-steps", "2", "--no-compile", env=QUIET_ENV)
+    result = nedolm_sft("run", str(config), "--smoke-steps", "2", "--no-compile", env=CLI_ENV)
     assert result.returncode == 0, result.stderr
     state = load_checkpoint(latest_checkpoint(tmp_path / "run.smoke"))
     assert state["step"] == 2 and state["contract"]["execution"]["effective_compile"] is False
@@ -73,7 +70,7 @@ def test_init_base_then_run_a_smoke_fine_tune(
     assert not (tmp_path / "run").exists()  # the smoke run leaves the real run dir alone
 
     # A second smoke run starts afresh in its scratch dir (it does not resume the first).
-    result = nedolm_sft("run", str(config), "--smoke-steps", "1", "--no-compile", env=QUIET_ENV)
+    result = nedolm_sft("run", str(config), "--smoke-steps", "1", "--no-compile", env=CLI_ENV)
     assert result.returncode == 0, result.stderr
     assert [p.name for p in (tmp_path / "run.smoke" / "checkpoints").glob("step-*.pt")] == [
         "step-00000001.pt"
@@ -81,13 +78,13 @@ def test_init_base_then_run_a_smoke_fine_tune(
 
     # The real run then starts cleanly, from step 0, with its own max_steps (set on the line).
     real = ("run", str(config), "--no-compile", "--set", "train.max_steps=3")
-    result = nedolm_sft(*real, env=QUIET_ENV)
+    result = nedolm_sft(*real, env=CLI_ENV)
     assert result.returncode == 0, result.stderr
     assert "step 3/3 epoch " in result.stderr and "resuming" not in result.stderr
     assert load_checkpoint(latest_checkpoint(tmp_path / "run"))["step"] == 3
 
     # A single process's refusal is one line, without the "rank 0: ResumeRefused:" frame.
-    result = nedolm_sft(*real, "--set", "optim.lr=0.5", env=QUIET_ENV)
+    result = nedolm_sft(*real, "--set", "optim.lr=0.5", env=CLI_ENV)
     assert result.returncode == 1
     assert "error: load SFT checkpoint failed: refusing to resume from " in result.stderr
     assert "training.recipe.optim.lr: checkpoint 0.001 != now 0.5" in result.stderr
@@ -100,7 +97,7 @@ def test_print_config_resolves_overrides_and_leaves_the_run_dir_untouched(
     config = minimal_config(tmp_path)
     args = ("--set", "optim.lr=1e-4", "--set", "validation.shard_ids=[3]", "--print-config")
     for command in (("run", str(config)), ("launch", "--nproc-per-node", "2", str(config))):
-        result = nedolm_sft(*command, *args, env=QUIET_ENV)
+        result = nedolm_sft(*command, *args, env=CLI_ENV)
         assert result.returncode == 0, result.stderr
         printed = yaml.safe_load(result.stdout)
         assert printed["optim"]["lr"] == 1e-4 and printed["validation"]["shard_ids"] == [3]
@@ -110,7 +107,7 @@ def test_print_config_resolves_overrides_and_leaves_the_run_dir_untouched(
         again = tmp_path / "printed.yaml"
         again.write_text(result.stdout, encoding="utf-8")
         assert (
-            yaml.safe_load(nedolm_sft("run", str(again), "--print-config", env=QUIET_ENV).stdout)
+            yaml.safe_load(nedolm_sft("run", str(again), "--print-config", env=CLI_ENV).stdout)
             == printed
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["printed.yaml", "sft.yaml"]
@@ -121,7 +118,7 @@ def test_an_unknown_override_is_refused_before_anything_starts(
     nedolm_sft: RunCli, tmp_path: Path, command: str
 ) -> None:
     config = minimal_config(tmp_path)
-    result = nedolm_sft(command, str(config), "--set", "train.max_stesp=3", env=QUIET_ENV)
+    result = nedolm_sft(command, str(config), "--set", "train.max_stesp=3", env=CLI_ENV)
     assert result.returncode == 2
     assert "unknown key `max_stesp` in `train`; did you mean `max_steps`?" in result.stderr
     assert not (tmp_path / "run").exists()
@@ -158,7 +155,7 @@ def test_a_missing_corpus_is_named_and_leaves_no_run_dir(
     nedolm_sft: RunCli, tmp_path: Path, command: str
 ) -> None:
     config = minimal_config(tmp_path)
-    result = nedolm_sft(command, str(config), env=QUIET_ENV)
+    result = nedolm_sft(command, str(config), env=CLI_ENV)
     assert result.returncode == 2
     assert f"data_dir {tmp_path / 'corpus'} does not exist" in result.stderr
     assert "SPECIAL_TOKENS" not in result.stderr
@@ -174,7 +171,7 @@ def test_a_run_dir_inside_the_corpus_is_refused(
         yaml.safe_dump({"run_dir": str(run_dir), "base_hf_dir": "hf", "data_dir": str(corpus)}),
         encoding="utf-8",
     )
-    result = nedolm_sft("run", str(config), env=QUIET_ENV)
+    result = nedolm_sft("run", str(config), env=CLI_ENV)
     assert result.returncode == 2
     assert f"run_dir {run_dir} is inside the corpus data_dir {corpus}" in result.stderr
     assert not (corpus / "runs").exists()

@@ -17,13 +17,13 @@ from nedolm.data.packing import discover_sft_shards
 from nedolm.dist import DistInfo
 from nedolm.model import build_model, preset
 from nedolm.train.step import LossOptions
+from nedolm.train.testing import SMALL_BASE
 from nedolm.train.validation import run_validation
 
 FIXTURES = Path(__file__).resolve().parents[2] / "nedolm-data" / "tests" / "fixtures"
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 FUSED = LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=False)
 SEQ_LEN = 256
-TINY = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_each_source_validates_as_its_shard_alone(corpus: Path) -> None:
     assert sources == {2: "tquad_enelpi_train.jsonl", 3: "seed_tasks_tr.jsonl"}
     special = read_special_tokens(corpus)
     torch.manual_seed(0)
-    model = build_model(preset("tiny", **{**TINY, "vocab_size": special.vocab_size}))
+    model = build_model(preset("tiny", **{**SMALL_BASE, "vocab_size": special.vocab_size}))
     shards = {s.shard_id: s for s in discover_sft_shards(corpus, SEQ_LEN)}
 
     def validate(ids: list[int], **kwargs: object):

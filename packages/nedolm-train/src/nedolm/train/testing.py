@@ -1,8 +1,9 @@
-"""Support for tests that train for real: a random ``tiny`` base for a corpus, and a multi-rank
-job under a launcher (torchrun, ``nedolm-sft launch``) in its own session with its output in a
-file, a rank's process found by its environment and its state read from /proc, processes frozen
-while a test reads and signals them, waits that end a hung job instead of hanging the test run,
-and whether an entry point installs its stop handlers before it imports torch.
+"""Support for tests that train for real: a random ``tiny`` base for a corpus and SFT YAMLs for
+it, a multi-rank job under a launcher (torchrun, ``nedolm-sft launch``) in its own session with
+its output in a file, a rank's process found by its environment and its state read from /proc,
+processes frozen while a test reads and signals them, waits that end a hung job instead of
+hanging the test run, and whether an entry point installs its stop handlers before it imports
+torch.
 
 Shipped with the package so that the fault tests of every package (and users' own) drive jobs
 the same way; nothing here is used by training itself.
@@ -31,6 +32,13 @@ from nedolm.train.metrics import read_metrics
 JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 """One thread per rank (the test machine's cores are shared by every rank) and quiet logs."""
 
+CLI_ENV = {**JOB_ENV, "PATH": "/usr/bin:/bin"}
+"""The whole environment of a quiet ``nedolm-sft`` process: nothing inherited from the test's."""
+
+SMALL_BASE = {"d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96}
+"""``init_tiny_base`` overrides for the smallest base a run test trains: one 64-wide layer, two
+query heads sharing one KV head."""
+
 
 def init_tiny_base(out: Path, corpus: Path, overrides: dict[str, int], seed: int = 0) -> Path:
     """A random base run of the ``tiny`` preset in ``out`` for ``corpus``'s vocabulary and EOS."""
@@ -44,6 +52,11 @@ def init_tiny_base(out: Path, corpus: Path, overrides: dict[str, int], seed: int
         overrides=overrides,
     )
     return out
+
+
+def set_options(overrides: dict[str, int]) -> list[str]:
+    """``overrides`` as command-line options: ``--set KEY=VALUE`` each (``init-base``'s)."""
+    return [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
 
 
 class JobFailed(AssertionError):
@@ -230,14 +243,24 @@ def sft_paths(run_dir: Path, base: Path, corpus: Path) -> dict[str, str]:
 STOP_TEST_MAX_STEPS = 40
 
 
+def write_sft_config(path: Path, corpus: Path, base: Path, **sections: object) -> Path:
+    """An SFT YAML at ``path`` for a run of the base run ``base`` on ``corpus``, its run dir
+    ``path`` without its suffix, with the config's other ``sections`` (``optim``, ``train``…)."""
+    doc = {**sft_paths(path.with_suffix(""), base, corpus), **sections}
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
 def write_stop_test_config(path: Path, corpus: Path, base: Path, **train: object) -> Path:
     """A small SFT YAML for signal tests, its run dir ``path`` without its suffix:
     ``STOP_TEST_MAX_STEPS`` eager steps of one 256-token window, a stop honoured at every step,
     no validation; ``train`` overrides."""
-    doc = {
-        **sft_paths(path.with_suffix(""), base, corpus),
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {
+    return write_sft_config(
+        path,
+        corpus,
+        base,
+        optim={"lr": 3e-3, "warmup_steps": 2},
+        train={
             "seq_len": 256,
             "micro_batch_size": 1,
             "grad_accum_steps": 1,
@@ -250,10 +273,8 @@ def write_stop_test_config(path: Path, corpus: Path, base: Path, **train: object
             "ckpt_interval": 1000,
             **train,
         },
-        "validation": {"enabled": False},
-    }
-    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
-    return path
+        validation={"enabled": False},
+    )
 
 
 @contextlib.contextmanager
