@@ -55,7 +55,7 @@ def init_tiny_base(out: Path, corpus: Path, overrides: dict[str, int], seed: int
 
 
 def set_options(overrides: dict[str, int]) -> list[str]:
-    """``overrides`` as command-line options: ``--set KEY=VALUE`` each (``init-base``'s)."""
+    """``overrides`` as ``--set KEY=VALUE`` options, as ``init-base`` and ``run`` take them."""
     return [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
 
 
