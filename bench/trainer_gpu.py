@@ -1,23 +1,28 @@
 """The product on a GPU, not only the model (run by bench/gpu.sh after bench/model_gpu.py).
 
-    python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--deadline-s 290] [--keep DIR]
+    python bench/trainer_gpu.py [--smoke] [--data FILE ...] [--steps 10] [--grad-accum 4]
+                                [--deadline-s 290] [--keep DIR]
                                 [--launch-only] [--dispatch masked|sparse|grouped]
                                 [--attn-impl auto|flash|torch_varlen|flex|sdpa]
 
 c. `nedolm-sft run` on a prepared real corpus (the shipped Turkish chat sample and the glaive
-   tool-call chats, plus any --data files) at seq_len 4096, nedolm-0.8b, compiled, ~30 steps:
+   tool-call chats, plus any --data files) at seq_len 4096, nedolm-0.8b, compiled, 10 optimizer
+   steps of 4 micro-batches of 4x4096 (the recipe of examples/sft-0.8b-8xh200.yaml; 2026-12-04's
+   H200 run took one micro-batch per step: --grad-accum 1 --steps 30 repeats it):
    tokens/s and MFU from its metrics.jsonl, the first step after the compile warm-up, and the
    ratio to the model step alone: the same compiled model, the same real micro-batches already
-   on the device, no loader, collective or logging. A torch.profiler table of the top-15 CUDA
-   kernels of those model steps, and where a step's time goes (wall, device busy, host waits,
-   scalar reads) in them and in the trainer's own profile of 3 more steps of (c)'s run.
+   on the device, the same accumulation, no loader, collective or logging. A torch.profiler
+   table of the top-15 CUDA kernels of those model steps, and where a step's time goes (wall,
+   device busy, host waits, scalar reads) in them and in the trainer's own profile of 3 more
+   steps of (c)'s run.
    Then the run saves one checkpoint (asynchronous, the default) and trains one more step
    while it is written: the training pause, the background write and that step's time, read
    from its metrics right after (c); and `nedolm-sft generate` answers from that checkpoint,
    timed as a user waits for it (last, after (e): issue 25's reply time is the one row a
    late run skips).
 d. transformers' LlamaForCausalLM of the same dense shape (no morph experts), eager sdpa, bf16
-   autocast, full-logits loss, the same tokens per step: what an untuned TRL user runs.
+   autocast, full-logits loss, the same micro-batches and accumulation: what an untuned TRL
+   user runs.
 e. `nedolm-sft launch --nproc-per-node 1` with ddp and with fsdp (NCCL on a GPU), a few eager
    steps each: the launcher, process group and wrappers work.
 
@@ -62,12 +67,13 @@ FIXTURES = REPO / "packages/nedolm-data/tests/fixtures"
 TOOL_CHATS = FIXTURES / "tool_chat/glaive_toolcall_en_demo.jsonl"
 
 
-EXPECTED_S = {"model step": 30.0, "Llama": 30.0, "launch": 40.0, "generate": 20.0}
+EXPECTED_S = {"model step": 35.0, "Llama": 30.0, "launch": 40.0, "generate": 20.0}
 """Seconds a section after (c) is expected to take on an H200, with a margin: a launch of (e)
 took 33-35 s there (2026-12-04). The others were not timed apart, so these are estimates: that
 day's loss_gpu.py and trainer_gpu.py took 244 s together, of which (c)'s compile warm-up 62 s
-and (e) 68 s; the model step and (d) each build the 0.8B model and take a few steps of ~0.2 s
-(the model step compiles first); `generate` loads a ~3 GB checkpoint and writes 24 tokens."""
+and (e) 68 s; the model step and (d) each build the 0.8B model and run 4-8 optimizer steps of 4
+micro-batches at ~0.2 s (d: ~0.3 s) each (the model step compiles first); `generate` loads a
+~3 GB checkpoint and writes 24 tokens."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,8 @@ class Plan:
     model_overrides: dict[str, int]
     seq_len: int
     micro_batch: int
+    grad_accum: int
+    """Micro-batches per optimizer step, in (c)'s run and in the steps it is compared with."""
     steps: int
     compile: bool
     launch_steps: int
@@ -111,9 +119,9 @@ def plan_for(args: argparse.Namespace) -> Plan:
         small |= {"morph_expert_dim": 32, "max_seq_len": 128}
         chats = sorted(p for p in (FIXTURES / "tr_chat").glob("*.jsonl") if "alpaca" not in p.name)
         inputs = (*chats, *extra)
-        return Plan("cpu", "tiny", small, 128, 2, 3, False, 1, inputs)
+        return Plan("cpu", "tiny", small, 128, 2, 2, 3, False, 1, inputs)
     inputs = (DEFAULT_DATA / "tr_chat_sample.jsonl", TOOL_CHATS, *extra)
-    return Plan("cuda", "nedolm-0.8b", {}, 4096, 4, args.steps, True, 5, inputs)
+    return Plan("cuda", "nedolm-0.8b", {}, 4096, 4, args.grad_accum, args.steps, True, 5, inputs)
 
 
 def sft(
@@ -161,7 +169,7 @@ def write_config(
         "train": {
             "seq_len": plan.seq_len,
             "micro_batch_size": plan.micro_batch,
-            "grad_accum_steps": 1,
+            "grad_accum_steps": plan.grad_accum,
             "max_steps": plan.steps,
             "num_workers": 2 if plan.device == "cuda" else 0,
             "compile": plan.compile,
@@ -178,6 +186,9 @@ def write_config(
     return path
 
 
+RUN_LOG_KEYS = ("schedule:", "attn_impl", "recompil", "graph break", "compile cache")
+"""(c)'s log lines printed under its heading: the recipe the trainer ran, its attention backend,
+compile events."""
 PROFILED_STEPS = 3
 GENERATE_PROMPT = "Türkiye'nin başkenti neresidir?"
 GENERATE_TOKENS = 24
@@ -231,12 +242,11 @@ def trainer_section(plan: Plan, config: Path, keep: Path | None) -> float:
         (line.split("] INFO ")[-1] for line in log.splitlines() if "warm-up done" in line),
         "no compile",
     )
-    print(
-        f"## c. `nedolm-sft run`, {plan.preset}, {plan.micro_batch}x{plan.seq_len}, real corpus\n"
-    )
+    print(f"## c. `nedolm-sft run`, {plan.preset}, {plan.micro_batch}x{plan.seq_len}, "
+          f"{plan.grad_accum} micro-batches per step, real corpus\n")  # fmt: skip
     print(f"{len(records)} steps, wall {wall:.0f} s with start-up; compile: {warmup}\n")
     for line in log.splitlines():
-        if any(key in line for key in ("attn_impl", "recompil", "graph break", "compile cache")):
+        if any(key in line for key in RUN_LOG_KEYS):
             print(f"    {line.split('] ')[-1]}")
     print(f"\n### c. compile time by phase (TORCH_TRACE)\n\n{compile_trace.summary(trace)}\n")
     after_first = statistics.median(r["tokens_per_s"] for r in records[1:] or records)
@@ -333,15 +343,17 @@ def run_model_config(config: Path):
     )
 
 
-def real_micro_batches(plan: Plan, config: Path, count: int):
-    """The first ``count`` micro-batches of the run's corpus, on the device, and its EOS id."""
+def real_optimizer_steps(plan: Plan, config: Path, count: int):
+    """The run corpus' first ``count`` optimizer steps (``plan.grad_accum`` micro-batches each,
+    on the device) and its EOS id."""
     from model_gpu import loader_micro_batches  # bench/, beside this script (as (b) makes them)
 
     from nedolm.data.format import read_special_tokens
 
     corpus = Path(yaml.safe_load(config.read_text(encoding="utf-8"))["data_dir"])
-    micro = loader_micro_batches(corpus, plan.seq_len, plan.micro_batch, plan.device, count, 1)
-    return micro, read_special_tokens(corpus).eos_id
+    n = plan.grad_accum
+    micro = loader_micro_batches(corpus, plan.seq_len, plan.micro_batch, plan.device, count * n, 1)
+    return [micro[i : i + n] for i in range(0, len(micro), n)], read_special_tokens(corpus).eos_id
 
 
 def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
@@ -356,12 +368,12 @@ def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
     torch.manual_seed(0)
     with torch.device(plan.device):
         model = build_model(model_cfg)
-    micro, eos = real_micro_batches(plan, config, 6)
+    steps, eos = real_optimizer_steps(plan, config, 5)
     on_cuda = plan.device == "cuda"
     settings = StepSettings(
         DistInfo(0, 1, 0, torch.device(plan.device)),
         eos,
-        grad_accum_steps=1,
+        grad_accum_steps=plan.grad_accum,
         grad_clip=1.0,
         loss=LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=on_cuda),
     )
@@ -369,33 +381,36 @@ def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
         compile_and_warm_up(model, settings, plan.micro_batch, plan.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
-    def step(mb) -> None:
-        forward_backward(model, mb, settings.loss, 1.0 / mb.targets)
+    def step(micro) -> None:
+        scale = 1.0 / sum(mb.targets for mb in micro)  # the trainer's, on one rank
+        for mb in micro:
+            forward_backward(model, mb, settings.loss, scale)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    model_tps = median_tokens_per_s(plan, step, micro)
+    model_tps = median_tokens_per_s(plan, step, steps)
     print("### c. trainer vs the model step alone (same model, same real micro-batches)\n")
     print("| trainer tokens/s | model step tokens/s | trainer / model step |")
     print("|---|---|---|")
     print(f"| {trainer_tps:,.0f} | {model_tps:,.0f} | {trainer_tps / model_tps:.2f} |\n")
-    profile_table(plan, config, step, micro[1:4])
+    profile_table(plan, config, step, steps[1:4])
 
 
-def median_tokens_per_s(plan: Plan, step, micro) -> float:
-    """Tokens/s of ``step`` over ``micro[1:]`` (median), after one untimed warm-up step."""
-    step(micro[0])
+def median_tokens_per_s(plan: Plan, step, steps) -> float:
+    """Tokens/s of ``step`` over ``steps[1:]`` (median), after one untimed warm-up step; each
+    of ``steps`` is an optimizer step's micro-batches."""
+    step(steps[0])
     times = []
-    for mb in micro[1:]:
+    for micro in steps[1:]:
         _sync(plan.device)
         started = time.perf_counter()
-        step(mb)
+        step(micro)
         _sync(plan.device)
         times.append(time.perf_counter() - started)
-    return micro[0].inputs.numel() / statistics.median(times)
+    return sum(mb.inputs.numel() for mb in steps[0]) / statistics.median(times)
 
 
-def profile_table(plan: Plan, config: Path, step, micro) -> None:
+def profile_table(plan: Plan, config: Path, step, steps) -> None:
     """The top-15 kernels (CPU ops on a CPU) of model steps, and where a step's time goes in
     them and in the trainer's own profile window of (c)'s run (same per-step summary)."""
     from torch.profiler import ProfilerActivity, profile
@@ -404,20 +419,20 @@ def profile_table(plan: Plan, config: Path, step, micro) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
         started = time.perf_counter()
-        for mb in micro:
-            step(mb)
+        for micro in steps:
+            step(micro)
         _sync(plan.device)
         wall_s = time.perf_counter() - started
     what = (
         "CUDA kernels" if on_cuda else "CPU ops (no CUDA device: the CUDA kernel table needs one)"
     )
-    print(f"### c. torch.profiler: top-15 {what} of {len(micro)} model steps\n")
+    print(f"### c. torch.profiler: top-15 {what} of {len(steps)} model steps\n")
     sort = "self_device_time_total" if on_cuda else "self_cpu_time_total"
     print("```")
     print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
     print("```\n")
     rows = [
-        (f"model step alone, {len(micro)} steps", summarize(prof.events(), 1, len(micro), wall_s))
+        (f"model step alone, {len(steps)} steps", summarize(prof.events(), 1, len(steps), wall_s))
     ]
     first, last = plan.steps + 1, plan.steps + PROFILED_STEPS
     window = config.with_suffix("") / f"profile/steps-{first}-{last}/rank0.summary.json"
@@ -458,17 +473,18 @@ def llama_section(plan: Plan, config: Path, trainer_tps: float) -> None:
     with torch.device(plan.device):
         model = LlamaForCausalLM(llama_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    micro, _ = real_micro_batches(plan, config, 5)
+    steps, _ = real_optimizer_steps(plan, config, 4)
     on_cuda = plan.device == "cuda"
 
-    def step(mb) -> None:
-        with torch.autocast(plan.device, dtype=torch.bfloat16, enabled=on_cuda):
-            loss = model(input_ids=mb.inputs, labels=mb.inputs).loss  # full logits, all tokens
-        loss.backward()
+    def step(micro) -> None:
+        for mb in micro:
+            with torch.autocast(plan.device, dtype=torch.bfloat16, enabled=on_cuda):
+                loss = model(input_ids=mb.inputs, labels=mb.inputs).loss  # full logits, all tokens
+            (loss / len(micro)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    llama_tps = median_tokens_per_s(plan, step, micro)
+    llama_tps = median_tokens_per_s(plan, step, steps)
     print("## d. transformers LlamaForCausalLM, same dense shape, eager sdpa, no packing mask\n")
     print("| nedolm trainer tokens/s | Llama tokens/s | trainer / Llama |")
     print("|---|---|---|")
@@ -494,6 +510,7 @@ def launch_section(plan: Plan, corpus: Path, base: Path, root: Path, deadline: D
             base,
             parallelism=parallelism,
             max_steps=plan.launch_steps,
+            grad_accum_steps=1,  # (e) checks that a launch trains; (c) measures the recipe
             compile=False,
         )
         started = time.monotonic()
@@ -522,7 +539,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
     parser.add_argument("--data", nargs="*", default=[], help="more chat files for the corpus")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=10, help="(c)'s measured optimizer steps")
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=4,
+        help="micro-batches per optimizer step (default: examples/sft-0.8b-8xh200.yaml's)",
+    )
     parser.add_argument(
         "--deadline-s",
         type=float,

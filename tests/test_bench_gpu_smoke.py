@@ -15,7 +15,7 @@ SECTIONS = (
     "## Training step, tiny",  # b
     "### b. compile time by phase, every compiled row above (TORCH_TRACE)",
     "## Loss head: 204 target rows of 512",
-    "## c. `nedolm-sft run`, tiny",
+    "## c. `nedolm-sft run`, tiny, 2x128, 2 micro-batches per step",
     "### c. compile time by phase (TORCH_TRACE)",
     "### c. checkpoint at step 7 (",
     "### c. trainer vs the model step alone",
@@ -53,6 +53,8 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     assert head, text
     assert all(float(e) < 1e-5 for e in head.groups()), head.groups()  # float32 on CPU
     assert re.search(r"^\| ddp \| ok, 1 steps \|", text, re.M), text
+    # (c)'s run accumulates as its heading says (the trainer's own schedule line).
+    assert "(micro 2 x accum 2 x 1 ranks)" in text, text
     # (b)'s compiled rows are in its compile table: the block's graph, traced by the process.
     assert re.search(
         r"^\| [\d.]+ \| \d+/\d+ \| forward \| forward \| \d+ \| [\d.]+ \|", text, re.M
