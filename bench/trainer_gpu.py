@@ -59,7 +59,7 @@ import yaml
 from nedolm.model.config import ATTN_IMPLS, MORPH_DISPATCHES
 from nedolm.train.metrics import read_metrics
 from nedolm.train.profiling import ProfileSummary, summarize
-from nedolm.train.testing import sft_paths
+from nedolm.train.testing import set_options, sft_paths
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "apps/sft/src/nedolm_sft/default"
@@ -147,9 +147,7 @@ def prepare(plan: Plan, root: Path) -> tuple[Path, Path]:
     sft("prepare", *inputs, "--tokenizer", str(tokenizer), "--out", str(corpus),
         "--seq-len", str(plan.seq_len), "--shards", "4", "--val-shards", "3",
         "--unsupported-roles", "drop", "--on-bad-record", "drop", "--no-progress", timeout=300)  # fmt: skip
-    sets = [
-        arg for key, value in plan.model_overrides.items() for arg in ("--set", f"{key}={value}")
-    ]
+    sets = set_options(plan.model_overrides)
     sft("init-base", "--preset", plan.preset, "--data-dir", str(corpus), "--out", str(base),
         *sets, timeout=300)  # fmt: skip
     return corpus, base
