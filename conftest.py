@@ -6,6 +6,37 @@ starts compute on one thread unless they ask for more: more threads than cores o
 Set here, before any test module imports torch; an ``OMP_NUM_THREADS`` already set is kept.
 """
 
+import getpass
 import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_dir_of_started_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The ``TMPDIR`` of every process a test starts: a folder of this run's pytest basetemp.
+
+    What those processes leave in their temporary directory stays there, and pytest removes old
+    basetemps: torchrun makes a ``torchelastic_*`` tree per launch and never removes it, and a
+    process killed with SIGKILL cannot remove its multiprocessing ``pymp-*`` folder, so a run
+    used to leave a dozen of them in the machine's /tmp. This process keeps its own temporary
+    directory (pytest has read it), and started processes keep the machine's inductor cache
+    (torch's default place), shared between runs as before. A test may set its own ``TMPDIR``.
+    """
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's default cache's name
+    machine_cache = Path(tempfile.gettempdir(), f"torchinductor_{user}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_cache))
+    folder = tmp_path_factory.mktemp("started-processes-tmp", numbered=False)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    yield folder
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
