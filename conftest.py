@@ -4,6 +4,7 @@
 starts compute on one thread unless they ask for more: more threads than cores only contend (on
 2 cores, the data and model tests took 10% more time with torch's default of one per core).
 Set here, before any test module imports torch; an ``OMP_NUM_THREADS`` already set is kept.
+Those processes also get a temporary directory of this run's (the fixture below).
 """
 
 import getpass
