@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session", autouse=True)
 def temp_dir_of_started_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The ``TMPDIR`` of every process a test starts: a folder of this run's pytest basetemp.
+    """The ``TMPDIR`` of every process a test starts: ``tmp`` in this run's pytest basetemp.
 
     What those processes leave in their temporary directory stays there, and pytest removes old
     basetemps: torchrun makes a ``torchelastic_*`` tree per launch and never removes it, and a
@@ -33,7 +33,10 @@ def temp_dir_of_started_processes(tmp_path_factory: pytest.TempPathFactory) -> I
     user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's default cache's name
     machine_cache = Path(tempfile.gettempdir(), f"torchinductor_{user}")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_cache))
-    folder = tmp_path_factory.mktemp("started-processes-tmp", numbered=False)
+    # A short name: multiprocessing puts Unix sockets in there (pymp-*/listener-*, 33 bytes)
+    # and Linux takes at most 107 bytes of socket path: /tmp/pytest-of-USER/pytest-N/popen-gwK/tmp
+    # leaves room for a 32-character user name, useradd's longest.
+    folder = tmp_path_factory.mktemp("tmp", numbered=False)
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(folder)
     yield folder
