@@ -19,8 +19,16 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+SOCKETS_BELOW_TMPDIR = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+"""The Unix socket paths multiprocessing makes below ``TMPDIR`` (loader workers pass tensors
+through them) add this much, and a socket path has at most 103 bytes on macOS, 107 on Linux."""
+SOCKET_PATH_MAX = 103
+
+
 @pytest.fixture(scope="session", autouse=True)
-def temp_dir_of_started_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def temp_dir_of_started_processes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Path | None]:
     """The ``TMPDIR`` of every process a test starts: ``tmp`` in this run's pytest basetemp.
 
     What those processes leave in their temporary directory stays there, and pytest removes old
@@ -29,14 +37,19 @@ def temp_dir_of_started_processes(tmp_path_factory: pytest.TempPathFactory) -> I
     used to leave a dozen of them in the machine's /tmp. This process keeps its own temporary
     directory (pytest has read it), and started processes keep the machine's inductor cache
     (torch's default place), shared between runs as before. A test may set its own ``TMPDIR``.
+
+    None, and the machine's ``TMPDIR`` kept, where the folder's path is too long for the sockets
+    made below it (a long user name, macOS's /var/folders/...): under /tmp there is room for a
+    29-character user name with 9,999 pytest runs and 99 workers.
     """
     user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's default cache's name
     machine_cache = Path(tempfile.gettempdir(), f"torchinductor_{user}")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_cache))
-    # A short name: multiprocessing puts Unix sockets in there (pymp-*/listener-*, 33 bytes)
-    # and Linux takes at most 107 bytes of socket path: /tmp/pytest-of-USER/pytest-N/popen-gwK/tmp
-    # leaves room for a 32-character user name, useradd's longest.
-    folder = tmp_path_factory.mktemp("tmp", numbered=False)
+    folder = tmp_path_factory.getbasetemp() / "tmp"
+    if len(str(folder)) + SOCKETS_BELOW_TMPDIR > SOCKET_PATH_MAX:
+        yield None
+        return
+    folder.mkdir()
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(folder)
     yield folder
