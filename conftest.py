@@ -42,13 +42,13 @@ def temp_dir_of_started_processes(
     made below it (a long user name, macOS's /var/folders/...): under /tmp there is room for a
     29-character user name with 9,999 pytest runs and 99 workers.
     """
-    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's default cache's name
-    machine_cache = Path(tempfile.gettempdir(), f"torchinductor_{user}")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_cache))
     folder = tmp_path_factory.getbasetemp() / "tmp"
     if len(str(folder)) + SOCKETS_BELOW_TMPDIR > SOCKET_PATH_MAX:
         yield None
         return
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's default cache's name
+    machine_cache = Path(tempfile.gettempdir(), f"torchinductor_{user}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(machine_cache))  # not below `folder`
     folder.mkdir()
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(folder)
