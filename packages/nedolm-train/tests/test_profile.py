@@ -7,6 +7,7 @@ import gzip
 import json
 import random
 import signal
+import warnings
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,10 @@ def profile_files(run_dir: Path, first: int, last: int, rank: int = 0) -> dict:
 def test_a_window_of_steps_is_profiled_and_summarised(make_config) -> None:
     train = {"max_steps": STEPS, "log_interval": 2}
     config = make_config(train=train, profile={"start_step": 2, "steps": 3})
-    run(load_sft_config(config), compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(load_sft_config(config), compile=False)
+    assert [str(w.message) for w in caught if "profiler" in w.filename] == []
     run_dir = config.with_suffix("")
     files = profile_files(run_dir, 2, 4)
     summary = files["summary"]

@@ -170,7 +170,9 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        self._prof = profile(activities=activities)
+        # One cycle per window: accumulating across cycles changes nothing, and without it
+        # torch 2.10 and 2.11 warn that events are cleared between cycles.
+        self._prof = profile(activities=activities, acc_events=True)
         self._prof.start()
         self._first, self._started = done, time.perf_counter()
 
