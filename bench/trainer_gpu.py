@@ -415,7 +415,7 @@ def profile_table(plan: Plan, config: Path, step, steps) -> None:
 
     on_cuda = plan.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, acc_events=True) as prof:  # as the trainer's window
         started = time.perf_counter()
         for micro in steps:
             step(micro)
