@@ -57,9 +57,9 @@ def test_a_temp_path_too_long_for_sockets_keeps_the_machines_and_says_so(tmp_pat
     long_basetemp = tmp_path / ("x" * 80)
     repo = Path(__file__).resolve().parents[1]
     this_file = Path(__file__).relative_to(repo)
-    tests = [f"{this_file}::{name}" for name in (
-        "test_a_started_process_gets_the_runs_temp_dir_and_the_machines_inductor_cache",
-        "test_the_log_tree_torchrun_leaves_behind_is_in_the_runs_temp_dir",
+    tests = [f"{this_file}::{test.__name__}" for test in (
+        test_a_started_process_gets_the_runs_temp_dir_and_the_machines_inductor_cache,
+        test_the_log_tree_torchrun_leaves_behind_is_in_the_runs_temp_dir,
     )]  # fmt: skip
     pytest_cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider"]
     result = subprocess.run(
