@@ -149,7 +149,7 @@ def _timed(fn, *args) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--rounds", type=int, default=3)

@@ -2,7 +2,7 @@
 and a resume's warm-up with the run's compile cache.
 
     python bench/compile.py [--runs 2] [--steps 5] [--layers 24] [--seq-len 512] [--device cpu]
-                            [--resumes-only]
+                            [--micro-batch 2] [--resumes-only]
 
 nedolm-0.8b's depth (24 blocks) at a narrow width (d_model 256), so the CPU measures what
 depth costs the compiler: a whole-model ``torch.compile`` unrolls every block, compiled blocks
@@ -137,7 +137,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2, help="processes per configuration")
     parser.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     parser.add_argument("--layers", type=int, default=24, help="blocks (nedolm-0.8b: 24)")

@@ -94,7 +94,7 @@ def summary(trace_dir: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace_dir", type=Path)
     parser.add_argument("--title", default="compile time by phase (TORCH_TRACE)")
     args = parser.parse_args()

@@ -143,7 +143,7 @@ def report(label: str, data_dir: Path, seq_len: int, flops_per_token: float, mfu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=Path("/work/shared/data/tr_chat"))
     parser.add_argument(
         "--tokenizer",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU bench of the product, one command, under 8 minutes on an H100/H200:
+# The GPU bench of the product, one command, about 8 minutes on an H100/H200:
 #   a. attention backend agreement (bench/model_gpu.py: logits, loss, every gradient vs sdpa);
 #   b. the model step per backend, eager and compiled (bench/model_gpu.py);
 #   the fused loss head vs the naive one and Liger's when installed (bench/loss_gpu.py);
@@ -39,7 +39,8 @@ done
 
 # model_gpu.py stops starting rows after its --budget-s; trainer_gpu.py starts a section only if
 # it is expected to end before its --deadline-s, 10 s inside its hard timeout. The hard timeouts
-# guard against a hang (145 + 35 + 300 s: under 8 minutes together).
+# guard against a hang (145 + 35 + 300 s: 8 minutes together, plus seconds for the trace table
+# and the checks before).
 if [[ $smoke == 1 ]]; then
     # Room for every step row on a loaded 2-core CI machine (a compile alone took 16 s there):
     # the smoke test checks (b)'s masked-vs-grouped comparison that (c)'s dispatch comes from.

@@ -1,7 +1,7 @@
 """The fused loss head against Liger's fused linear cross-entropy and the naive head (run by
 bench/gpu.sh): time of forward + backward and peak memory above the inputs.
 
-    python bench/loss_gpu.py [--device cpu --rows 512 --vocab 1000 --dim 64]
+    python bench/loss_gpu.py [--device cpu --rows 512 --vocab 1000 --dim 64] [--repeats 5]
 
 Defaults are the issue's shape: 4 x 4096 positions, 40% targets, vocab 32003 (padded to 32064
 rows), d_model 1536, bf16 autocast over float32 weights, as training runs the head. Every head
@@ -120,7 +120,7 @@ def measure(head: Callable, inputs: tuple, args: argparse.Namespace) -> tuple[fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rows", type=int, default=4 * 4096, help="positions of a micro-batch")
     parser.add_argument("--vocab", type=int, default=32003)
@@ -145,7 +145,9 @@ def main() -> None:
     print(f"d {args.dim}, {dtype} hidden, float32 weight, {args.device}\n")
     reference = float32_reference(inputs, args)
     print("Errors: relative to the same head in float32 from the same bf16-rounded inputs.")
-    if has_float32_output_gemm(args.device):
+    if dtype == torch.float32:  # the head's gradients are float32 too: add_weight_grad's addmm_
+        print("nedolm's weight gradient: one float32 GEMM per chunk, added in place.\n")
+    elif has_float32_output_gemm(args.device):
         print("nedolm's bf16 weight gradient: one GEMM per chunk adding into float32 in place.\n")
     else:
         print("nedolm's bf16 weight gradient: bf16 product slices (no float32-output GEMM).\n")

@@ -104,12 +104,18 @@ def product_micro_batches(
 
 
 def loader_micro_batches(
-    corpus: Path, seq_len: int, batch: int, device: str, count: int, seed: int
+    corpus: Path,
+    seq_len: int,
+    batch: int,
+    device: str,
+    count: int,
+    seed: int,
+    shards: list | None = None,
 ) -> list[MicroBatch]:
     """The first ``count`` micro-batches of a prepared ``corpus`` as the trainer gets them: the
-    packer's windows drawn by the loader (shuffled by ``seed``), turned into model inputs on
-    ``device`` by ``to_micro_batch``."""
-    loader, _ = build_sft_loader(corpus, seq_len, micro_batch_size=batch, seed=seed)
+    packer's windows of ``shards`` (default: all) drawn by the loader (shuffled by ``seed``),
+    turned into model inputs on ``device`` by ``to_micro_batch``."""
+    loader, _ = build_sft_loader(corpus, seq_len, micro_batch_size=batch, seed=seed, shards=shards)
     eos = read_special_tokens(corpus).eos_id
     batches = iter(loader)
     return [to_micro_batch(next(batches), torch.device(device), eos) for _ in range(count)]
@@ -150,7 +156,7 @@ def agreement(cfg: ModelConfig, backends: list[str], seq_len: int, device: str) 
     ref_model = build(cfg, "sdpa", device)
     state = ref_model.state_dict()
     ref_loss, ref_grads, ref_logits = loss_grads_logits(ref_model, *batch, device)
-    print(f"## Backend agreement vs sdpa, bf16 autocast, 2 layers, 2x{seq_len} packed tokens\n")
+    print(f"## a. Backend agreement vs sdpa, bf16 autocast, 2 layers, 2x{seq_len} packed tokens\n")
     print("| backend | max abs logit diff / max abs logit | loss rel diff | worst grad rel diff |")
     print("|---|---|---|---|")
     for backend in backends:
@@ -245,7 +251,7 @@ def _sync(device: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--preset", default="nedolm-0.8b")
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -258,14 +264,14 @@ def main() -> None:
     parser.add_argument(
         "--faster-backend-to",
         type=Path,
-        help="write the trainable attention backend whose compiled step was fastest here "
-        "(bench/gpu.sh hands it to the trainer's run)",
+        help="write here the trainable attention backend for the trainer's run (bench/gpu.sh "
+        "hands it on): auto's, unless another's compiled step beat it beyond the noise",
     )
     parser.add_argument(
         "--faster-dispatch-to",
         type=Path,
-        help="write the morph dispatch whose compiled step was faster here (bench/gpu.sh hands "
-        "it to the trainer's run)",
+        help="write here the morph dispatch for the trainer's run (bench/gpu.sh hands it on): "
+        "--dispatch's, unless the other's compiled step beat it beyond the noise",
     )
     args = parser.parse_args()
     began = time.perf_counter()
@@ -287,7 +293,7 @@ def main() -> None:
 
     with torch.device("meta"):  # count without allocating
         n_params = build_model(cfg).num_params()
-    print(f"## Training step, {args.preset} ({n_params / 1e9:.2f}B params, {args.dispatch})")
+    print(f"## b. Training step, {args.preset} ({n_params / 1e9:.2f}B params, {args.dispatch})")
     micro = product_micro_batches(args.batch, args.seq_len, args.device, args.micro_batches)
     print(describe(micro))
     print(

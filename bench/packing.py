@@ -160,7 +160,7 @@ def bench_quality(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "mode", nargs="?", choices=["all", "plan", "quality", "measure"], default="all"
     )

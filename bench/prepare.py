@@ -6,7 +6,7 @@
    fresh ids (everything: parsing, encoding,
    layout, writing, verifying, hashing) against the tokenizer's bare ``encode_batch`` of the
    very same message texts, already parsed, in the same run. Target: >= 50% of its records/s.
-   Run in-process (``--workers 1``) and with a pool of worker processes.
+   Run in-process (one worker: ``nedolm-sft prepare --workers 1``) and with a pool of two.
 2. Hashing: the verifier's ``hash_files`` (threads) against ``sha256sum`` on the same files
    (page-cached shard-sized files). Target: >= 80% of sha256sum's MB/s.
 

@@ -27,11 +27,11 @@ e. `nedolm-sft launch --nproc-per-node 1` with ddp and with fsdp (NCCL on a GPU)
    steps each: the launcher, process group and wrappers work.
 
 Every figure comes from this run on this machine; MFU is `nedolm.train.flops`'s one count.
-`--smoke` runs every section on the CPU with a tiny model in under a minute (CI runs it), and
-says which parts need CUDA. After (c), a section starts only if the time it is expected to
-take is left before --deadline-s (bench/gpu.sh kills the script 10 s after it), so a late
-section is skipped whole, not killed half-way, and a short one still runs when a long one could
-not; a subprocess's timeout is the time left.
+`--smoke` runs every section on the CPU with a tiny model in under a minute (CI runs it), and says
+which parts need CUDA. After (c), a section starts only if the time it is expected to take is left
+before --deadline-s (counted from the end of the imports: bench/gpu.sh kills the script 10 s after
+it, less that import time), so a late section is skipped whole, not killed half-way, and a short
+one still runs when a long one could not; a subprocess's timeout is the time left.
 """
 
 from __future__ import annotations
@@ -342,16 +342,26 @@ def run_model_config(config: Path):
 
 
 def real_optimizer_steps(plan: Plan, config: Path, count: int):
-    """The run corpus' first ``count`` optimizer steps (``plan.grad_accum`` micro-batches each,
-    on the device) and its EOS id."""
+    """The first ``count`` optimizer steps of the run of ``config`` (``plan.grad_accum``
+    micro-batches each, on the device): its training shards drawn with its seed, the very
+    micro-batches its trainer starts with; and the corpus' EOS id."""
     from model_gpu import loader_micro_batches  # bench/, beside this script (as (b) makes them)
 
+    from nedolm.data.contract import SHARD_MANIFEST_FILE, read_contract
     from nedolm.data.format import read_special_tokens
+    from nedolm.data.packing import discover_sft_shards
+    from nedolm.train.config import load_sft_config
+    from nedolm.train.setup import split_corpus
 
-    corpus = Path(yaml.safe_load(config.read_text(encoding="utf-8"))["data_dir"])
+    run = load_sft_config(config)
+    held_out = read_contract(run.data_dir)[SHARD_MANIFEST_FILE]["validation_shard_ids"]
+    train, _ = split_corpus(run, discover_sft_shards(run.data_dir, plan.seq_len), held_out)
     n = plan.grad_accum
-    micro = loader_micro_batches(corpus, plan.seq_len, plan.micro_batch, plan.device, count * n, 1)
-    return [micro[i : i + n] for i in range(0, len(micro), n)], read_special_tokens(corpus).eos_id
+    micro = loader_micro_batches(
+        run.data_dir, plan.seq_len, plan.micro_batch, plan.device, count * n, run.train.seed, train
+    )
+    steps = [micro[i : i + n] for i in range(0, len(micro), n)]
+    return steps, read_special_tokens(run.data_dir).eos_id
 
 
 def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
@@ -534,7 +544,7 @@ def _sync(device: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
     parser.add_argument("--data", nargs="*", default=[], help="more chat files for the corpus")
     parser.add_argument("--steps", type=int, default=10, help="(c)'s measured optimizer steps")
@@ -550,7 +560,9 @@ def main() -> None:
         default=290,
         help="finish by then: no section starts that is expected to end later (gpu.sh: 290)",
     )
-    parser.add_argument("--keep", type=Path, help="copy the run's train.log and metrics here")
+    parser.add_argument(
+        "--keep", type=Path, help="copy (c)'s train.log, metrics and profile files here"
+    )
     parser.add_argument(
         "--launch-only", action="store_true", help="only (e): a short check of the launcher"
     )

@@ -7,6 +7,7 @@ the shipped Turkish sample, ``init_tiny_base`` writes a random dense (Llama-shap
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.train.testing import init_tiny_base
 
 DEFAULT = files("nedolm_sft") / "default"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 SEQ_LEN = 128
 DENSE_TINY = {
     "d_model": 64,
@@ -94,3 +96,16 @@ def dense_run(sample_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         capture_output=True,
     )
     return root / "run"
+
+
+@pytest.fixture
+def trainer_gpu(monkeypatch: pytest.MonkeyPatch):
+    """``bench/trainer_gpu.py`` imported as a module (bench/ on the path: it imports its
+    neighbours, compile_trace and model_gpu)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("trainer_gpu", BENCH / "trainer_gpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "trainer_gpu", module)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module

@@ -5,7 +5,6 @@ says why, rather than being killed half-way on a GPU whose minutes are few."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,17 +15,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-
-
-@pytest.fixture
-def trainer_gpu(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # it imports compile_trace beside it
-    spec = importlib.util.spec_from_file_location("trainer_gpu", BENCH / "trainer_gpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "trainer_gpu", module)  # its dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_section_fits_only_if_its_expected_time_is_left(trainer_gpu) -> None:

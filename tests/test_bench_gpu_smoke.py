@@ -11,8 +11,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = (
-    "## Backend agreement vs sdpa",  # a
-    "## Training step, tiny",  # b
+    "## a. Backend agreement vs sdpa",
+    "## b. Training step, tiny",
     "### b. compile time by phase, every compiled row above (TORCH_TRACE)",
     "## Loss head: 204 target rows of 512",
     "## c. `nedolm-sft run`, tiny, 2x128, 2 micro-batches per step",

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from nedolm.data.contract import (
     validate_dataset_contract,
 )
 from nedolm.data.loader import SFTLoader, build_sft_loader
-from nedolm.data.packing import discover_sft_shards
+from nedolm.data.packing import PlannedShard, discover_sft_shards
 from nedolm.data.roles import validate_roles
 from nedolm.data.stats import corpus_stats
 from nedolm.dist import (
@@ -164,7 +164,10 @@ def prepare_run(
     contract = {
         "dataset": data.contract,
         "training": training_contract(
-            data.contract["fingerprint"], seq_len, _val_ids(cfg, data.contract), recipe
+            data.contract["fingerprint"],
+            seq_len,
+            _val_ids(cfg, data.contract["validation_shard_ids"]),
+            recipe,
         ),
     }
 
@@ -327,12 +330,28 @@ def _check_profile_window(cfg: SFTConfig, max_steps: int) -> None:
         )
 
 
-def _val_ids(cfg: SFTConfig, dataset_contract: dict[str, Any]) -> list[int]:
+def _val_ids(cfg: SFTConfig, held_out: Sequence[int]) -> list[int]:
     """The shards validated: the configured ids, or by default the corpus's held-out ones."""
     if not cfg.validation.enabled:
         return []
     ids = cfg.validation.shard_ids
-    return list(dataset_contract["validation_shard_ids"] if ids is None else ids)
+    return list(held_out if ids is None else ids)
+
+
+def split_corpus(
+    cfg: SFTConfig, shards: list[PlannedShard], held_out: Sequence[int]
+) -> tuple[list[PlannedShard], list[PlannedShard]]:
+    """(train, validation): the corpus's planned ``shards`` as the run of ``cfg`` uses them.
+
+    ``held_out``: the corpus's held-out shard ids (its manifest's ``validation_shard_ids``).
+    Public so that a benchmark can time the very micro-batches the trainer draws.
+    """
+    return split_train_val(
+        shards,
+        _val_ids(cfg, held_out),
+        held_out,
+        train_on_held_out=cfg.validation.train_on_held_out,
+    )
 
 
 def _prepare_data(
@@ -352,12 +371,7 @@ def _prepare_data(
     def plan() -> _Data:
         shards = discover_sft_shards(cfg.data_dir, seq_len)
         check_plan_matches_audit(corpus_stats(shards, seq_len), contract)
-        train, val = split_train_val(
-            shards,
-            _val_ids(cfg, contract),
-            contract["validation_shard_ids"],
-            train_on_held_out=cfg.validation.train_on_held_out,
-        )
+        train, val = split_corpus(cfg, shards, contract["validation_shard_ids"])
         val_stats = corpus_stats(val, seq_len) if val else None
         return _Data(contract, train, val, corpus_stats(train, seq_len), val_stats)
 
@@ -389,7 +403,7 @@ def _prepare_data(
     if data.val_stats is not None:
         log.info(
             "validation: shards %s, %d windows",
-            _val_ids(cfg, data.contract),
+            _val_ids(cfg, data.contract["validation_shard_ids"]),
             data.val_stats["windows"],
         )
     return data
