@@ -144,7 +144,8 @@ def main() -> None:
     print(f"## Loss head: {n_targets} target rows of {args.rows}, vocab {args.vocab}, ", end="")
     print(f"d {args.dim}, {dtype} hidden, float32 weight, {args.device}\n")
     reference = float32_reference(inputs, args)
-    print("Errors: relative to the same head in float32 from the same bf16-rounded inputs.")
+    rounded = "bf16-rounded " if dtype == torch.bfloat16 else ""
+    print(f"Errors: relative to the same head in float32 from the same {rounded}inputs.")
     if dtype == torch.float32:  # the head's gradients are float32 too: add_weight_grad's addmm_
         print("nedolm's weight gradient: one float32 GEMM per chunk, added in place.\n")
     elif has_float32_output_gemm(args.device):
