@@ -83,7 +83,8 @@ TORCH_TRACE=$model_trace timeout 145 "$PYTHON" bench/model_gpu.py "${model_args[
 timeout 35 "$PYTHON" bench/loss_gpu.py "${loss_args[@]}" 2>&1 | tee -a "$out" || status=1
 [[ -s $backend_file ]] && trainer_args+=(--attn-impl "$(<"$backend_file")")
 [[ -s $dispatch_file ]] && trainer_args+=(--dispatch "$(<"$dispatch_file")")
-trainer_args+=(--deadline-s 290)  # its hard timeout, less 10 s to end the last subprocess
+# Its hard timeout, less 10 s to end the last subprocess, counted from its start (imports too).
+trainer_args+=(--deadline-s 290 --started-at "$(date +%s)")
 timeout 300 "$PYTHON" bench/trainer_gpu.py "${trainer_args[@]}" "$@" 2>&1 | tee -a "$out" || status=1
 echo "tables written to $out"
 exit $status

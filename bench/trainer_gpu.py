@@ -29,14 +29,16 @@ e. `nedolm-sft launch --nproc-per-node 1` with ddp and with fsdp (NCCL on a GPU)
 Every figure comes from this run on this machine; MFU is `nedolm.train.flops`'s one count.
 `--smoke` runs every section on the CPU with a tiny model in under a minute (CI runs it), and says
 which parts need CUDA. After (c), a section starts only if the time it is expected to take is left
-before --deadline-s (counted from the end of the imports: bench/gpu.sh kills the script 10 s after
-it, less that import time), so a late section is skipped whole, not killed half-way, and a short
-one still runs when a long one could not; a subprocess's timeout is the time left.
+before --deadline-s (counted from --started-at: bench/gpu.sh gives the time it starts the script
+and kills it 10 s after the deadline), so a late section is skipped whole, not killed half-way,
+and a short one still runs when a long one could not; a subprocess's timeout is the time left.
+The last table says how long each section took beside the time it was expected to take.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import gzip
@@ -49,6 +51,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,12 +90,55 @@ class Deadline:
     def left(self) -> float:
         return max(self.at - time.monotonic(), 0.0)
 
+    def used(self) -> float:
+        """Seconds since the deadline started counting (beyond ``seconds`` when overrun)."""
+        return time.monotonic() - (self.at - self.seconds)
+
     def too_late(self, expected_s: float) -> str | None:
         """Why a section of ``expected_s`` must not start now, or None."""
         left = self.left()
         if expected_s <= left:
             return None
         return f"~{expected_s:.0f} s expected, {left:.0f} s left of {self.seconds:.0f} s"
+
+    @classmethod
+    def counted_from(cls, seconds: float, started_at: float | None) -> Deadline:
+        """``seconds`` after ``started_at`` (seconds since the epoch: when gpu.sh started this
+        script, so its imports count too), or after now."""
+        at = time.monotonic() + seconds
+        if started_at is not None:
+            at -= time.time() - started_at
+        return cls(seconds, at)
+
+
+class SectionTimes:
+    """How long each section took, beside ``EXPECTED_S``: the figures a GPU run gives for
+    correcting the estimates."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, float | None, float | None]] = []
+
+    @contextlib.contextmanager
+    def timed(self, name: str, expected_s: float | None = None) -> Iterator[None]:
+        """Time the block, a failed one too (its time is spent all the same)."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.rows.append((name, expected_s, time.monotonic() - started))
+
+    def skipped(self, name: str, expected_s: float) -> None:
+        self.rows.append((name, expected_s, None))
+
+    def print_table(self, deadline: Deadline) -> None:
+        print("## Section times (wall seconds, this run)\n")
+        print("| section | expected | took |\n|---|---:|---:|")
+        for name, expected_s, took_s in self.rows:
+            expected = "-" if expected_s is None else f"{expected_s:.0f}"  # not gated
+            took = "skipped" if took_s is None else f"{took_s:.1f}"
+            print(f"| {name} | {expected} | {took} |")
+        print(f"\n{deadline.used():.0f} s of the {deadline.seconds:.0f} s deadline used (imports included "
+              "where --started-at was given)\n")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -561,6 +607,12 @@ def main() -> None:
         help="finish by then: no section starts that is expected to end later (gpu.sh: 290)",
     )
     parser.add_argument(
+        "--started-at",
+        type=float,
+        help="seconds since the epoch the deadline counts from (gpu.sh: when it started this "
+        "script; default: the end of its imports)",
+    )
+    parser.add_argument(
         "--keep", type=Path, help="copy (c)'s train.log, metrics and profile files here"
     )
     parser.add_argument(
@@ -580,10 +632,12 @@ def main() -> None:
     plan = plan_for(args)
     if plan.device == "cuda" and not torch.cuda.is_available():
         sys.exit("torch sees no CUDA device (use --smoke for the CPU check)")
-    began = time.monotonic()
+    deadline = Deadline.counted_from(args.deadline_s, args.started_at)
+    times = SectionTimes()
     with tempfile.TemporaryDirectory(prefix="nedolm-bench-") as tmp:
         root = Path(tmp)
-        corpus, base = prepare(plan, root)
+        with times.timed("prepare the corpus and the base"):
+            corpus, base = prepare(plan, root)
         dispatch_text = args.dispatch or "the preset's"
         print(
             f"# The product: {plan.preset} on {plan.device}, {len(plan.inputs)} input files, "
@@ -594,11 +648,13 @@ def main() -> None:
         config = write_config(root / "run.yaml", plan, corpus, base, **profiled(plan), **chosen)
         trainer_tps, failed = 0.0, False
         if not args.launch_only:
-            trainer_tps, config, failed = guarded_trainer_section(plan, config, args, corpus, base)
+            with times.timed("c. `nedolm-sft run`"):
+                trainer_tps, config, failed = guarded_trainer_section(
+                    plan, config, args, corpus, base
+                )
         # The checkpoint's figures (read from the run's metrics: free) at once; issue 24's
         # tables next; `generate` (issue 25's) last, so a slow disk or compile on the device
         # costs that row, not (e), when time runs short.
-        deadline = Deadline(args.deadline_s, began + args.deadline_s)
         launch = (
             "e. launch",
             EXPECTED_S["launch"],
@@ -616,9 +672,11 @@ def main() -> None:
         for name, expected_s, section in (launch,) if args.launch_only else sections:
             if late := deadline.too_late(expected_s):
                 print(f"({name} skipped: {late})\n")
+                times.skipped(name, expected_s)
                 continue
             try:
-                section()
+                with times.timed(name, expected_s):
+                    section()
             except Exception:  # one section's failure must not cost the GPU run the others
                 print_traceback()
                 failed = True
@@ -629,6 +687,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 print(f"(bench process: {torch.cuda.memory_reserved() / 2**30:.1f} GiB of GPU "
                       "memory still reserved)\n")  # fmt: skip
+    times.print_table(deadline)
     if failed:
         sys.exit("a section failed: its traceback is above")
 

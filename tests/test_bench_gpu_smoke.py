@@ -24,6 +24,7 @@ SECTIONS = (
     "## d. transformers LlamaForCausalLM",
     "## e. `nedolm-sft launch --nproc-per-node 1`, gloo (CPU)",
     "### c. `nedolm-sft generate` from the step 7 checkpoint",
+    "## Section times (wall seconds, this run)",
 )
 
 
@@ -99,3 +100,9 @@ def test_gpu_bench_smoke_mode_runs_every_section_into_one_file(tmp_path: Path) -
     seconds = re.search(rf"^\| ({number}) \|$", generate, re.M)
     assert seconds and float(seconds[1]) > 0, generate
     assert re.search(r"^reply: \S", generate, re.M), generate
+    # Each section's time beside its estimate: what a GPU run gives to correct EXPECTED_S.
+    times = text.split(SECTIONS[-1], 1)[1]
+    for name in ("c. model step", "d. Llama", "e. launch", "c. generate"):
+        row = rf"^\| {re.escape(name)} \| \d+ \| ({number}) \|$"
+        took = re.search(row, times, re.M)
+        assert took and float(took[1]) > 0, (name, times)
