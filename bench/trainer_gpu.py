@@ -132,9 +132,11 @@ class SectionTimes:
 
     def print_table(self, deadline: Deadline) -> None:
         print("## Section times (wall seconds, this run)\n")
+        print("Expected: `EXPECTED_S`, the time left a section needs to start (e: each launch; "
+              "its table gives each one's wall s); `-`: not gated.\n")  # fmt: skip
         print("| section | expected | took |\n|---|---:|---:|")
         for name, expected_s, took_s in self.rows:
-            expected = "-" if expected_s is None else f"{expected_s:.0f}"  # not gated
+            expected = "-" if expected_s is None else f"{expected_s:.0f}"
             took = "skipped" if took_s is None else f"{took_s:.1f}"
             print(f"| {name} | {expected} | {took} |")
         print(f"\n{deadline.used():.0f} s of the {deadline.seconds:.0f} s deadline used (imports included "
