@@ -8,7 +8,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from nedolm.model import ModelConfig, build_model
-from nedolm.train.flops import flops_per_token, peak_bf16_flops
+from nedolm.train.flops import PEAK_BF16_FLOPS, flops_per_token, peak_bf16_flops
 
 
 @pytest.mark.parametrize("morph_classes", [0, 3])
@@ -45,8 +45,23 @@ def test_flops_per_token_equal_torch_flop_counter(morph_classes: int) -> None:
         ("NVIDIA H100 PCIe", 756e12),
         ("NVIDIA H200", 989e12),
         ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA L40", 181e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA GB200", 2500e12),
+        ("NVIDIA A10", 125e12),
         ("Some Future Accelerator", None),
     ],
 )
 def test_peak_by_device_name(name: str, peak: float | None) -> None:
     assert peak_bf16_flops(name) == peak
+
+
+def test_no_key_of_the_peak_table_is_shadowed_by_an_earlier_one() -> None:
+    """The first key found in the name wins: one contained in a later key ("L4" in "L40")
+    would give that device the wrong peak."""
+    for index, (key, peak) in enumerate(PEAK_BF16_FLOPS):
+        shadowing = [earlier for earlier, _ in PEAK_BF16_FLOPS[:index] if earlier in key]
+        assert not shadowing, (key, shadowing)
+        assert peak_bf16_flops(f"NVIDIA {key}") == peak, key

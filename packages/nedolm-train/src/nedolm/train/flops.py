@@ -24,19 +24,26 @@ from __future__ import annotations
 
 from nedolm.model import ModelConfig
 
-# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) by a substring of the CUDA device name,
-# most specific first.
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity; NVIDIA's datasheets) by a substring of the
+# CUDA device name. The first key found in the name wins, so a key comes before every key it
+# contains ("H100 NVL" before "H100", "L40" before "L4", "GB200" before "B200").
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989e12),
+    ("H200 NVL", 835e12),
     ("H200", 989e12),
     ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
     ("H100", 989e12),
+    ("H800 PCIe", 756e12),
     ("H800", 989e12),
+    ("GB200", 2500e12),
     ("B200", 2250e12),
     ("A100", 312e12),
     ("A800", 312e12),
-    ("L40S", 362e12),
     ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
     ("L4", 121e12),
     ("RTX 4090", 165e12),
     ("RTX 3090", 71e12),
