@@ -195,7 +195,8 @@ class Trainer:
             "hours": (time.monotonic() - self.job_start) / 3600,
         }
         if run.info.device.type == "cuda":
-            record["peak_mem_gib"] = _window_peak_memory_gib(run.info.device)
+            # This rank's peak since the window began (``_reset_log_window``).
+            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(run.info.device) / 2**30
         if self.peak_flops:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak_flops
         eta = format_eta(sec_per_step * (run.max_steps - done))
@@ -466,6 +467,8 @@ class Trainer:
         self.window_targets = 0
         self.window_steps = 0
         self.window_start = time.monotonic()
+        if self.run.info.device.type == "cuda":  # a line shows what its own steps need, not
+            torch.cuda.reset_peak_memory_stats(self.run.info.device)  # the warm-up's high mark
 
 
 def _write_named(write: Callable[[dict], None], payload: dict, path: Path) -> None:
@@ -480,14 +483,6 @@ def _write_named(write: Callable[[dict], None], payload: dict, path: Path) -> No
             f"cannot write checkpoint {path}: {type(exc).__name__}: {exc}; "
             "the previous checkpoints are intact"
         ) from exc
-
-
-def _window_peak_memory_gib(device: torch.device) -> float:
-    """This rank's peak of allocated device memory since the previous log line (the peak is
-    reset here), so a line shows what its steps need, not the compile warm-up's high mark."""
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
 
 
 def _cluster_peak_flops(device: torch.device, world_size: int) -> float | None:
