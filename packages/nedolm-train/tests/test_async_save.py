@@ -79,6 +79,21 @@ def test_a_reservation_that_fails_is_logged_and_the_stage_allocates_instead(capl
     assert torch.equal(staged["w"], weight)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine pins: nothing to fall back")
+def test_pinned_memory_the_machine_refuses_is_replaced_by_pageable_memory(caplog) -> None:
+    """A CUDA run that may not pin (a locked-memory limit; here a torch with no pinned allocator
+    at all) stages into pageable memory and says so once, rather than failing at its first
+    checkpoint."""
+    staging = StagedCopies()
+    with caplog.at_level("WARNING", logger="nedolm.train.async_save"):
+        first = staging._new_buffer(pinned=True, nbytes=64)
+        second = staging._new_buffer(pinned=True, nbytes=32)
+    assert (first.numel(), second.numel()) == (64, 32)
+    assert first.device.type == "cpu" and not first.is_pinned()
+    assert caplog.text.count("pinned memory refused") == 1, caplog.text
+    assert "stage into pageable memory" in caplog.text
+
+
 EXIT_WHILE_RESERVING = """
 import sys, torch
 from nedolm.train.async_save import StagedCopies

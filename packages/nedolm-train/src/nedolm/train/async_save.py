@@ -4,8 +4,11 @@ on, write it on a background thread.
 Writing a multi-GB checkpoint (serialise, hash, fsync) stalls training for as long as it takes;
 copying the state to CPU memory takes a fraction of that (torchtitan's ``async_with_pinned_mem``,
 Megatron's ``--async-save`` work the same way). ``StagedCopies`` makes the copy: every tensor
-into a CPU buffer of its own storage (pinned when the source is on CUDA), kept and reused by the
-next checkpoint, so a save allocates nothing after the first. The copy is a real one on CPU too:
+into a CPU buffer of its own storage (pinned when the source is on CUDA and the machine allows
+it), kept and reused by the next checkpoint, so a save allocates nothing after the first. torch's
+pinned allocator rounds each buffer up to a power of two, as it does for torch's own
+``distributed.checkpoint`` staging: ~31% more host memory than the state's 8.7 GiB for
+``nedolm-0.8b`` (counted from the buffer sizes, not measured on a GPU). The copy is a real one on CPU too:
 the optimizer updates parameters in place while the write goes on. Fresh memory is slow to
 get (page faults, zeroing: the first checkpoint of a 300M-parameter run paused 11 s on CPU
 instead of 0.7 s), so ``reserve`` allocates and touches buffers of the sizes the state will
@@ -49,6 +52,7 @@ class StagedCopies:
         self._buffers: dict[_StorageKey, torch.UntypedStorage] = {}
         self._spares: dict[_SpareKey, list[torch.UntypedStorage]] = {}
         self._reserving: threading.Thread | None = None
+        self._pinning = True  # until the machine refuses to pin (then pageable, said once)
 
     def reserve(self, *states: Any) -> None:
         """Allocate and touch, in the background, one buffer per distinct storage of each of
@@ -67,7 +71,7 @@ class StagedCopies:
                 torch.cuda.set_device(cuda)
             try:
                 for pinned, nbytes in sizes:
-                    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+                    buffer = self._new_buffer(pinned, nbytes)
                     buffer.zero_()  # fault the pages in
                     self._spares.setdefault((pinned, nbytes), []).append(buffer.untyped_storage())
             except (RuntimeError, MemoryError) as exc:  # e.g. a locked-memory limit
@@ -116,7 +120,7 @@ class StagedCopies:
             if target is None:
                 target = self._take_spare(tensor)
             if target is None:
-                target = _allocate(tensor)
+                target = self._new_buffer(*_spare_key(tensor)).untyped_storage()
             target.copy_(tensor.untyped_storage(), non_blocking=tensor.device.type == "cuda")
             used[key] = target
         view = torch.empty(0, dtype=tensor.dtype)
@@ -125,6 +129,23 @@ class StagedCopies:
     def _take_spare(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
         spares = self._spares.get(_spare_key(tensor))
         return spares.pop() if spares else None
+
+    def _new_buffer(self, pinned: bool, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of CPU memory, pinned when asked and the machine gives it. Pinned memory
+        can be refused where pageable memory is not (a locked-memory limit): the copies into
+        pageable memory are slower, not wrong (``stage`` synchronizes), and a run must not end
+        at its first checkpoint for it."""
+        if pinned and self._pinning:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except (RuntimeError, MemoryError) as exc:
+                self._pinning = False
+                log.warning(
+                    "pinned memory refused (%s): asynchronous checkpoints stage into pageable "
+                    "memory, and pause longer",
+                    exc,
+                )
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _key(tensor: torch.Tensor) -> _StorageKey:
@@ -136,11 +157,6 @@ def _key(tensor: torch.Tensor) -> _StorageKey:
 def _spare_key(tensor: torch.Tensor) -> _SpareKey:
     """A buffer for ``tensor``: its storage's size, pinned when the tensor is on CUDA."""
     return tensor.device.type == "cuda", tensor.untyped_storage().nbytes()
-
-
-def _allocate(tensor: torch.Tensor) -> torch.UntypedStorage:
-    pinned, nbytes = _spare_key(tensor)
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
 
 
 def _distinct_storages(state: Any) -> dict[_StorageKey, torch.Tensor]:
