@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.data.contract import read_validation_sources
@@ -16,7 +17,7 @@ from nedolm.data.loader import build_sft_loader
 from nedolm.data.packing import discover_sft_shards
 from nedolm.dist import DistInfo
 from nedolm.model import build_model, preset
-from nedolm.train.step import LossOptions
+from nedolm.train.step import LossOptions, StepError
 from nedolm.train.testing import SMALL_BASE
 from nedolm.train.validation import run_validation
 
@@ -69,3 +70,45 @@ def test_each_source_validates_as_its_shard_alone(corpus: Path) -> None:
     assert both.targets == sum(both.targets_by_source.values())
     weighted = sum(both.loss_by_source[n] * both.targets_by_source[n] for n in sources.values())
     assert both.loss == pytest.approx(weighted / both.targets, rel=1e-9)
+
+
+def test_a_non_finite_validation_loss_is_refused(corpus: Path) -> None:
+    """Checked once on the summed totals (no read of the device per batch): one NaN weight
+    makes the whole pass non-finite, and validation says so instead of logging nan."""
+    special = read_special_tokens(corpus)
+    model = build_model(preset("tiny", **{**SMALL_BASE, "vocab_size": special.vocab_size}))
+    with torch.no_grad():
+        model.norm.weight[0] = float("nan")
+    shard = next(s for s in discover_sft_shards(corpus, SEQ_LEN) if s.shard_id == 2)
+    loader, _ = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=4, shards=[shard], seed=5)
+    with pytest.raises(StepError, match=r"non-finite validation loss \(nan\)"):
+        run_validation(model, loader, CPU, batches=1, eos_id=special.eos_id, options=FUSED)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts ``_local_scalar_dense``: a read of a device value by the host (a sync on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ == "_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+
+def test_validation_reads_the_device_once_per_pass_not_per_batch(corpus: Path) -> None:
+    special = read_special_tokens(corpus)
+    model = build_model(preset("tiny", **{**SMALL_BASE, "vocab_size": special.vocab_size}))
+    shard = next(s for s in discover_sft_shards(corpus, SEQ_LEN) if s.shard_id == 2)
+
+    def host_reads(batches: int) -> int:
+        loader, _ = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=4, shards=[shard], seed=5)
+        with (reads := _HostReads()):
+            run_validation(
+                model, loader, CPU, batches=batches, eos_id=special.eos_id, options=FUSED
+            )
+        return reads.count
+
+    host_reads(1)  # first calls build what later ones reuse
+    assert host_reads(4) == host_reads(2) <= 1

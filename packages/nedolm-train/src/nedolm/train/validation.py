@@ -81,10 +81,8 @@ def run_validation(
             for source, rows in groups:
                 part = batch if rows is None else {k: v[rows] for k, v in batch.items()}
                 mb = to_micro_batch(part, info.device, eos_id)
-                loss = loss_sum(model, mb, options)
-                if not torch.isfinite(loss):
-                    raise RuntimeError("non-finite validation loss")
-                totals[0] += loss.double()
+                loss = loss_sum(model, mb, options)  # not read here: a read per batch
+                totals[0] += loss.double()  # would wait for the device every time
                 totals[1] += mb.targets
                 totals[2] += mb.inputs.numel()
                 if source is not None:
@@ -107,6 +105,8 @@ def run_validation(
     loss_total, targets, context, *per_source = sum_all(totals).tolist()
     if targets <= 0:
         raise StepError("validation set has zero assistant targets")
+    if not math.isfinite(loss_total):  # a NaN or infinity on any rank reaches the sum
+        raise StepError(f"validation failed: non-finite validation loss ({loss_total})")
     by_source = {
         name: (loss, int(count))
         for name, loss, count in zip(names, per_source[::2], per_source[1::2], strict=True)
