@@ -68,6 +68,18 @@ def test_relative_paths_resolve_against_the_yaml_dir(tmp_path: Path) -> None:
             MINIMAL.replace("train: {}", "train: {attn_impl: xformers}"),
             "`train.attn_impl`: 'xformers' is not one of: auto, flash, flex, sdpa, torch_varlen",
         ),
+        (
+            MINIMAL.replace("train: {}", "train: {compile_mode: max_autotune}"),
+            "`train.compile_mode`: 'max_autotune' is not one of torch ",
+        ),
+        (
+            MINIMAL.replace("train: {}", "train: {compile_mode: max_autotune}"),
+            "did you mean 'max-autotune'?",
+        ),
+        (
+            MINIMAL.replace("train: {}", "train: {compile_backend: inductr}"),
+            "`train.compile_backend`: 'inductr' is not one of torch ",
+        ),
         ("- a\n- b\n", "expected a mapping of keys, got list"),
         (MINIMAL.replace("data_dir: d\n", ""), "missing required field `data_dir`"),
         ("run_dir: [\n", "not valid YAML"),
@@ -78,6 +90,16 @@ def test_bad_keys_are_errors_naming_key_and_file(tmp_path: Path, text: str, need
     with pytest.raises(ConfigError) as err:
         load_sft_config(path)
     assert str(path) in str(err.value) and needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("compile_mode", "max-autotune"), ("compile_mode", "reduce-overhead"),
+     ("compile_backend", "aot_eager")],
+)  # fmt: skip
+def test_torch_compile_choices_torch_offers_are_accepted(tmp_path: Path, key, value) -> None:
+    text = MINIMAL.replace("train: {}", f"train: {{{key}: {value}}}")
+    assert getattr(load_sft_config(_write(tmp_path, text)).train, key) == value
 
 
 def test_yaml_11_floats_are_accepted(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ config works from any current directory. Every default is documented in ``exampl
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -42,6 +43,37 @@ def _require(ok: bool, key: str, allowed: str, value: object) -> None:
 
 def _require_fraction(key: str, value: float) -> None:
     _require(0.0 <= value <= 1.0, key, "in [0, 1]", value)
+
+
+def _require_torch_choice(
+    key: str, value: str, default: str, choices: Callable[[], list[str]]
+) -> None:
+    """Refuse a value torch does not offer: torch.compile would fail in the warm-up, and the run
+    would go on uncompiled. torch is imported only for a value other than the default."""
+    if value == default:
+        return
+    import torch
+
+    known = sorted(choices())
+    if value not in known:
+        close = difflib.get_close_matches(value, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"`{key}`: {value!r} is not one of torch {torch.__version__}'s: "
+            f"{', '.join(known)}{hint}"
+        )
+
+
+def _compile_modes() -> list[str]:
+    import torch._inductor
+
+    return list(torch._inductor.list_mode_options())
+
+
+def _compile_backends() -> list[str]:
+    import torch._dynamo
+
+    return torch._dynamo.list_backends(exclude_tags=())
 
 
 class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -198,6 +230,13 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"give max_steps ({self.max_steps}) or num_epochs ({self.num_epochs}), not both"
             )
         self.precision = PRECISION_ALIASES.get(self.precision, self.precision)
+        if self.compile:
+            _require_torch_choice(
+                "train.compile_mode", self.compile_mode, "default", _compile_modes
+            )
+            _require_torch_choice(
+                "train.compile_backend", self.compile_backend, "inductor", _compile_backends
+            )
 
 
 class ValidationConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
