@@ -139,8 +139,8 @@ class SectionTimes:
             expected = "-" if expected_s is None else f"{expected_s:.0f}"
             took = "skipped" if took_s is None else f"{took_s:.1f}"
             print(f"| {name} | {expected} | {took} |")
-        print(f"\n{deadline.used():.0f} s of the {deadline.seconds:.0f} s deadline used (imports included "
-              "where --started-at was given)\n")  # fmt: skip
+        print(f"\n{deadline.used():.0f} s of the {deadline.seconds:.0f} s deadline used "
+              "(imports included where --started-at was given)\n")  # fmt: skip
 
 
 @dataclass(frozen=True)

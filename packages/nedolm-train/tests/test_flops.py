@@ -51,6 +51,7 @@ def test_flops_per_token_equal_torch_flop_counter(morph_classes: int) -> None:
         ("NVIDIA L4", 121e12),
         ("NVIDIA GB200", 2500e12),
         ("NVIDIA A10", 125e12),
+        ("NVIDIA RTX A1000", None),  # not an A10
         ("Some Future Accelerator", None),
     ],
 )
@@ -59,9 +60,7 @@ def test_peak_by_device_name(name: str, peak: float | None) -> None:
 
 
 def test_no_key_of_the_peak_table_is_shadowed_by_an_earlier_one() -> None:
-    """The first key found in the name wins: one contained in a later key ("L4" in "L40")
-    would give that device the wrong peak."""
-    for index, (key, peak) in enumerate(PEAK_BF16_FLOPS):
-        shadowing = [earlier for earlier, _ in PEAK_BF16_FLOPS[:index] if earlier in key]
-        assert not shadowing, (key, shadowing)
+    """The first key found in the name wins: an earlier one found in a later key's device name
+    ("H100" in "H100 NVL") would give that device the wrong peak."""
+    for key, peak in PEAK_BF16_FLOPS:
         assert peak_bf16_flops(f"NVIDIA {key}") == peak, key

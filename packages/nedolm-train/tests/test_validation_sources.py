@@ -73,8 +73,8 @@ def test_each_source_validates_as_its_shard_alone(corpus: Path) -> None:
 
 
 def test_a_non_finite_validation_loss_is_refused(corpus: Path) -> None:
-    """Checked once on the summed totals (no read of the device per batch): one NaN weight
-    makes the whole pass non-finite, and validation says so instead of logging nan."""
+    """Checked once, on the summed totals every rank reads (no read of the device per batch):
+    one NaN weight makes the pass non-finite, refused with the sum found."""
     special = read_special_tokens(corpus)
     model = build_model(preset("tiny", **{**SMALL_BASE, "vocab_size": special.vocab_size}))
     with torch.no_grad():

@@ -8,10 +8,10 @@ into a CPU buffer of its own storage (pinned when the source is on CUDA and the 
 it), kept and reused by the next checkpoint, so a save allocates nothing after the first. torch's
 pinned allocator rounds each buffer up to a power of two, as it does for torch's own
 ``distributed.checkpoint`` staging: ~31% more host memory than the state's 8.7 GiB for
-``nedolm-0.8b`` (counted from the buffer sizes, not measured on a GPU). The copy is a real one on CPU too:
-the optimizer updates parameters in place while the write goes on. Fresh memory is slow to
-get (page faults, zeroing: the first checkpoint of a 300M-parameter run paused 11 s on CPU
-instead of 0.7 s), so ``reserve`` allocates and touches buffers of the sizes the state will
+``nedolm-0.8b`` (counted from the buffer sizes, not measured on a GPU). The copy is a real one
+on CPU too: the optimizer updates parameters in place while the write goes on. Fresh memory is
+slow to get (page faults, zeroing: the first checkpoint of a 300M-parameter run paused 11 s on
+CPU instead of 0.7 s), so ``reserve`` allocates and touches buffers of the sizes the state will
 have on a thread of its own, ahead of the first checkpoint: the trainer starts it before the
 compile warm-up, which hides it (pinning ~9 GiB for a 0.8B model and its AdamW moments slowed
 an H200's first 15 steps 3x when it overlapped training instead).

@@ -22,11 +22,13 @@ conversation attention) shows as higher tokens/s, never as a larger FLOP count.
 
 from __future__ import annotations
 
+import re
+
 from nedolm.model import ModelConfig
 
-# Dense bf16 tensor-core peaks (FLOP/s, no sparsity; NVIDIA's datasheets) by a substring of the
-# CUDA device name. The first key found in the name wins, so a key comes before every key it
-# contains ("H100 NVL" before "H100", "L40" before "L4", "GB200" before "B200").
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity; NVIDIA's datasheets) by a model name in the
+# CUDA device name ("A10" is not found in "A100", nor "L4" in "L40"). The first key found wins, so
+# a key comes before every key it contains ("H100 NVL" before "H100").
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989e12),
     ("H200 NVL", 835e12),
@@ -69,4 +71,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def peak_bf16_flops(device_name: str) -> float | None:
     """The dense bf16 peak of a CUDA device by its name, or None when the table lacks it."""
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in device_name), None)
+    return next(
+        (peak for key, peak in PEAK_BF16_FLOPS if re.search(rf"\b{re.escape(key)}\b", device_name)),
+        None,
+    )

@@ -81,8 +81,8 @@ def run_validation(
             for source, rows in groups:
                 part = batch if rows is None else {k: v[rows] for k, v in batch.items()}
                 mb = to_micro_batch(part, info.device, eos_id)
-                loss = loss_sum(model, mb, options)  # not read here: a read per batch
-                totals[0] += loss.double()  # would wait for the device every time
+                loss = loss_sum(model, mb, options)
+                totals[0] += loss.double()  # not read per batch: each read waits for the GPU
                 totals[1] += mb.targets
                 totals[2] += mb.inputs.numel()
                 if source is not None:
