@@ -274,7 +274,9 @@ def test_parallelism_and_precision_are_validated() -> None:
     cpu = mixed_precision_policy("auto", torch.device("cpu"))
     cuda = mixed_precision_policy("auto", torch.device("cuda", 0))
     assert (cpu.param_dtype, cpu.reduce_dtype) == (torch.float32, torch.float32)
-    assert (cuda.param_dtype, cuda.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert (cuda.param_dtype, cuda.reduce_dtype) == (torch.bfloat16, torch.float32)
+    bf16 = mixed_precision_policy("bf16", torch.device("cpu"))
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 
 class Torch211DistributedDataParallel:

@@ -30,10 +30,13 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def mixed_precision_policy(precision: Precision, device: torch.device) -> MixedPrecisionPolicy:
-    """FSDP2 compute/reduce dtypes; sharded master weights and AdamW states stay fp32.
+    """FSDP2's compute dtype; sharded master weights, AdamW states and the gradient
+    reduce-scatter stay fp32.
 
-    ``auto`` is bf16 parameters and gradient reduction on CUDA, fp32 on CPU (CPU bf16
-    matmuls are slow and the CPU tests compare against fp32 DDP to rounding).
+    ``auto`` is bf16 parameters on CUDA, fp32 on CPU (CPU bf16 matmuls are slow and the CPU
+    tests compare against fp32 DDP to rounding). Gradients are summed over ranks in fp32 in
+    every mode (torchtitan's default), as DDP's all-reduce sums them: a bf16 sum over ranks
+    would lose precision DDP keeps, and a run may switch between the two at any checkpoint.
 
     Raises:
         ValueError: unknown ``precision``.
@@ -43,7 +46,7 @@ def mixed_precision_policy(precision: Precision, device: torch.device) -> MixedP
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
     dtype = _DTYPES[precision]
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def parallelize(
