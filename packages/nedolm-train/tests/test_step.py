@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nedolm.data.format import read_special_tokens
 from nedolm.data.loader import build_sft_loader
@@ -26,6 +25,7 @@ from nedolm.train.step import (
     to_micro_batch,
     train_step,
 )
+from nedolm.train.testing import OpNames
 from nedolm.train.validation import run_validation
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -150,23 +150,13 @@ def test_clip_norm_is_exact_and_the_same_for_a_whole_or_row_sharded_gradient() -
     assert float(whole[0].grad.double().norm()) == pytest.approx(0.01, rel=1e-6)
 
 
-class _OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("headroom", [-0.5, 0.0, 1.0])  # 0: torch's factor is exactly 1.0
 def test_clip_equals_torch_and_skips_the_pass_torch_would_multiply_by_one(headroom) -> None:
     grads = [torch.randn(5, 3, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     norm = clip_grad_norm(_with_grads(grads), math.inf)
     max_norm = norm + 1e-6 + headroom
     ours, reference = _with_grads(grads), _with_grads(grads)
-    with (ops := _OpNames()):
+    with (ops := OpNames()):
         assert clip_grad_norm(ours, max_norm) == norm
     total = torch.tensor(norm, dtype=torch.float64)
     torch.nn.utils.clip_grads_with_norm_(reference, max_norm, total, foreach=True)

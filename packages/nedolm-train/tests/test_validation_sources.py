@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.data.contract import read_validation_sources
@@ -18,7 +17,7 @@ from nedolm.data.packing import discover_sft_shards
 from nedolm.dist import DistInfo
 from nedolm.model import build_model, preset
 from nedolm.train.step import LossOptions, StepError
-from nedolm.train.testing import SMALL_BASE
+from nedolm.train.testing import SMALL_BASE, OpNames
 from nedolm.train.validation import run_validation
 
 FIXTURES = Path(__file__).resolve().parents[2] / "nedolm-data" / "tests" / "fixtures"
@@ -85,18 +84,6 @@ def test_a_non_finite_validation_loss_is_refused(corpus: Path) -> None:
         run_validation(model, loader, CPU, batches=1, eos_id=special.eos_id, options=FUSED)
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts ``_local_scalar_dense``: a read of a device value by the host (a sync on CUDA)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket.__name__ == "_local_scalar_dense"
-        return func(*args, **(kwargs or {}))
-
-
 def test_validation_reads_the_device_once_per_pass_not_per_batch(corpus: Path) -> None:
     special = read_special_tokens(corpus)
     model = build_model(preset("tiny", **{**SMALL_BASE, "vocab_size": special.vocab_size}))
@@ -104,11 +91,11 @@ def test_validation_reads_the_device_once_per_pass_not_per_batch(corpus: Path) -
 
     def host_reads(batches: int) -> int:
         loader, _ = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=4, shards=[shard], seed=5)
-        with (reads := _HostReads()):
+        with (ops := OpNames()):
             run_validation(
                 model, loader, CPU, batches=batches, eos_id=special.eos_id, options=FUSED
             )
-        return reads.count
+        return ops.names.count("_local_scalar_dense")
 
     host_reads(1)  # first calls build what later ones reuse
     assert host_reads(4) == host_reads(2) <= 1

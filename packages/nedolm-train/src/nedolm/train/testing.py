@@ -2,8 +2,8 @@
 it, a multi-rank job under a launcher (torchrun, ``nedolm-sft launch``) in its own session with
 its output in a file, a rank's process found by its environment and its state read from /proc,
 processes frozen while a test reads and signals them, waits that end a hung job instead of
-hanging the test run, and whether an entry point installs its stop handlers before it imports
-torch.
+hanging the test run, whether an entry point installs its stop handlers before it imports
+torch, and the aten ops a block runs (its host reads among them).
 
 Shipped with the package so that the fault tests of every package (and users' own) drive jobs
 the same way; nothing here is used by training itself.
@@ -23,11 +23,26 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nedolm.data.format import read_special_tokens
 from nedolm.data.tokenizer import load_tokenizer
 from nedolm.train.base import init_base
 from nedolm.train.metrics import read_metrics
+
+
+class OpNames(TorchDispatchMode):
+    """The aten ops run inside it, by name: ``names.count("_local_scalar_dense")`` is how often
+    the host read a tensor's value (on CUDA, a wait for the device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
 
 JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 """One thread per rank (the test machine's cores are shared by every rank) and quiet logs."""
