@@ -82,9 +82,8 @@ def test_bad_keys_are_errors_naming_key_and_file(tmp_path: Path, text: str, need
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("compile_mode", "max-autotune"), ("compile_mode", "reduce-overhead"),
-     ("compile_backend", "aot_eager")],
-)  # fmt: skip
+    [("compile_mode", "max-autotune-no-cudagraphs"), ("compile_backend", "aot_eager")],
+)
 def test_torch_compile_choices_torch_offers_are_accepted(tmp_path: Path, key, value) -> None:
     text = MINIMAL.replace("train: {}", f"train: {{{key}: {value}}}")
     assert getattr(load_sft_config(_write(tmp_path, text)).train, key) == value
@@ -92,14 +91,35 @@ def test_torch_compile_choices_torch_offers_are_accepted(tmp_path: Path, key, va
 
 @pytest.mark.parametrize(
     ("key", "typo", "close"),
-    [("compile_mode", "max_autotune", "max-autotune"), ("compile_backend", "inductr", "inductor")],
-)
+    [("compile_mode", "max_autotune_no_cudagraphs", "max-autotune-no-cudagraphs"),
+     ("compile_backend", "inductr", "inductor")],
+)  # fmt: skip
 def test_torch_compile_choices_torch_lacks_are_refused(tmp_path: Path, key, typo, close) -> None:
     """Not left to the warm-up, whose failure the run survives uncompiled."""
     text = MINIMAL.replace("train: {}", f"train: {{{key}: {typo}}}")
     refusal = rf"`train\.{key}`: '{typo}' is not one of torch \S+'s: .*; did you mean '{close}'\?"
     with pytest.raises(ConfigError, match=refusal):
         load_sft_config(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "instead"),
+    [("compile_mode", "reduce-overhead", "default"),
+     ("compile_mode", "max-autotune", "max-autotune-no-cudagraphs"),
+     ("compile_backend", "cudagraphs", "inductor")],
+)  # fmt: skip
+def test_compile_choices_that_capture_cuda_graphs_are_refused(
+    tmp_path: Path, key, value, instead
+) -> None:
+    """torch offers them, but it records a CUDA graph per distinct input size, and the compiled
+    blocks trace the segment count and longest segment as sizes (test_compile_once.py shows one
+    graph serving micro-batches that differ in both): a graph recorded almost every step."""
+    text = MINIMAL.replace("train: {}", f"train: {{{key}: {value}}}")
+    refusal = rf"`train\.{key}`: '{value}' .*CUDA graph.* use '{instead}'"
+    with pytest.raises(ConfigError, match=refusal):
+        load_sft_config(_write(tmp_path, text))
+    compile_off = text.replace(f"{key}: {value}", f"{key}: {value}, compile: false")
+    assert getattr(load_sft_config(_write(tmp_path, compile_off)).train, key) == value
 
 
 def test_yaml_11_floats_are_accepted(tmp_path: Path) -> None:

@@ -65,15 +65,46 @@ def _require_torch_choice(
 
 
 def _compile_modes() -> list[str]:
+    """The installed torch's compile modes but those that capture CUDA graphs."""
     import torch._inductor
 
-    return list(torch._inductor.list_mode_options())
+    modes = torch._inductor.list_mode_options()
+    return [mode for mode, options in modes.items() if not options.get("triton.cudagraphs")]
 
 
 def _compile_backends() -> list[str]:
     import torch._dynamo
 
     return torch._dynamo.list_backends(exclude_tags=())
+
+
+def _refuse_cuda_graphs(mode: str, backend: str) -> None:
+    """Refuse the compile modes and the backend that capture CUDA graphs.
+
+    torch records a new CUDA graph for each distinct input size (its CUDAGraph trees key a graph
+    on the graph's integer inputs), and the compiled blocks take the segment count and the
+    longest segment as such inputs: they change with nearly every micro-batch, so the run would
+    record graphs instead of replaying them, step after step. Not measured on a GPU: read from
+    torch's ``cudagraph_trees`` (2.13), whose own warning says as much past 8 sizes.
+    """
+    if backend == "cudagraphs":
+        raise ValueError(
+            "`train.compile_backend`: 'cudagraphs' records a CUDA graph for each distinct input "
+            "size, and the segment count and longest segment change with nearly every "
+            "micro-batch: use 'inductor'"
+        )
+    if mode == "default":
+        return
+    import torch._inductor
+
+    modes = torch._inductor.list_mode_options()
+    if modes.get(mode, {}).get("triton.cudagraphs"):
+        instead = f"{mode}-no-cudagraphs" if f"{mode}-no-cudagraphs" in modes else "default"
+        raise ValueError(
+            f"`train.compile_mode`: {mode!r} captures CUDA graphs, which torch records anew for "
+            "each distinct input size, and the segment count and longest segment change with "
+            f"nearly every micro-batch: use {instead!r}"
+        )
 
 
 class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -231,6 +262,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         self.precision = PRECISION_ALIASES.get(self.precision, self.precision)
         if self.compile:
+            _refuse_cuda_graphs(self.compile_mode, self.compile_backend)
             _require_torch_choice(
                 "train.compile_mode", self.compile_mode, "default", _compile_modes
             )
