@@ -123,8 +123,7 @@ def loader_micro_batches(
 
 def model_inputs(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(input_ids, labels, packing layout keywords) of ``mb``, as the model takes them."""
-    layout = dict(cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen, position_ids=mb.position_ids)
-    return mb.inputs, mb.labels, layout
+    return mb.inputs, mb.labels, mb.layout()
 
 
 def build(cfg: ModelConfig, backend: str, device: str, state: dict | None = None):

@@ -1,6 +1,7 @@
 import inspect
 import itertools
 import math
+from typing import ClassVar
 
 import pytest
 import torch
@@ -277,7 +278,7 @@ def test_sdpa_op_backward_runs_sdpas_own_kernels_in_the_input_dtype() -> None:
 
 
 def test_sdpa_plan_reads_host_offsets_and_puts_its_indices_on_the_attention_device() -> None:
-    """Compiled graphs hand the op a CPU copy of cu_seqlens (read once per forward), so its
+    """Compiled graphs hand the op a CPU copy of cu_seqlens (see the host-copy tests), so its
     per-layer planning never reads the device; the indices go where q lives."""
     from nedolm.model.attention import sdpa_plan
 
@@ -285,3 +286,55 @@ def test_sdpa_plan_reads_host_offsets_and_puts_its_indices_on_the_attention_devi
     groups, inverse, longest = sdpa_plan(cu_seqlens, 45, torch.device("meta"))
     assert longest == 30 and inverse is not None and inverse.device.type == "meta"
     assert all(isinstance(g, torch.Tensor) and g.device.type == "meta" for g in groups)
+
+
+class DeviceOffsets(torch.Tensor):
+    """cu_seqlens standing for a GPU tensor: notes each read that would wait for the device."""
+
+    reads: ClassVar[list[str]] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.item):
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_sdpa_plans_from_a_host_copy_without_reading_the_device(compiled: bool) -> None:
+    """The trainer builds cu_seqlens on the CPU: given that copy, sdpa's plan (eager) or its
+    op's input (compiled) comes from it, and the device tensor is never read."""
+    host = torch.tensor([0, 5, 6, 15, 45], dtype=torch.int32)
+    device_copy = host.clone().as_subclass(DeviceOffsets)
+    DeviceOffsets.reads = []
+    got = build_layout("sdpa", device_copy, 30, 45, compiled=compiled, host_cu_seqlens=host)
+    assert DeviceOffsets.reads == []
+    want = build_layout("sdpa", host, 30, 45, compiled=compiled)
+    assert got.max_seqlen == want.max_seqlen and len(got.groups) == len(want.groups)
+    assert all(torch.equal(g, w) for g, w in zip(got.groups, want.groups, strict=True))
+    if compiled:
+        assert type(got.cu_seqlens) is torch.Tensor and torch.equal(got.cu_seqlens, host)
+    else:
+        assert torch.equal(got.inverse, want.inverse)
+    build_layout("sdpa", device_copy, 30, 45, compiled=compiled)  # no copy: the device is read
+    assert DeviceOffsets.reads
+
+
+def test_the_model_hands_sdpa_the_host_copy(make_model) -> None:
+    model = make_model(attn_impl="sdpa").eval()
+    lengths = [5, 1, 9, 23]
+    row, _ = packed_row_and_documents(model.cfg.vocab_size, lengths, seed=3)
+    host = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None, :]
+    DeviceOffsets.reads = []
+    with torch.no_grad():
+        _, want = model(row, cu_seqlens=host, max_seqlen=23, position_ids=positions)
+        _, got = model(
+            row,
+            cu_seqlens=host.clone().as_subclass(DeviceOffsets),
+            max_seqlen=23,
+            position_ids=positions,
+            host_cu_seqlens=host,
+        )
+    assert DeviceOffsets.reads == []
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), want, rtol=0, atol=0)

@@ -16,12 +16,14 @@ from nedolm.data.format import read_special_tokens
 from nedolm.data.loader import build_sft_loader
 from nedolm.dist import DistInfo
 from nedolm.model import build_model, preset
+from nedolm.model.attention import build_layout
 from nedolm.train.step import (
     LossOptions,
     StepError,
     StepSettings,
     clip_grad_norm,
     fetch_step_batches,
+    loss_sum,
     to_micro_batch,
     train_step,
 )
@@ -90,6 +92,24 @@ def test_micro_batch_labels_follow_the_mask(batches, corpus) -> None:
     assert torch.equal(mb.labels, expected) and mb.targets == int(mask.sum())
     rows = batches[0]["tokens"][:, :-1].tolist()
     assert mb.position_ids.tolist() == [_slow_positions(r, eos) for r in rows]
+
+
+def test_the_model_gets_the_micro_batchs_cpu_offsets(model, batches, corpus, monkeypatch) -> None:
+    """On a GPU the sdpa backend would otherwise read cu_seqlens back in every forward (a wait
+    for all queued work): the model's test shows it plans from this copy instead."""
+    from nedolm.model import model as model_module
+
+    given = []
+
+    def recording_build_layout(*args, **kwargs):
+        given.append(kwargs["host_cu_seqlens"])
+        return build_layout(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "build_layout", recording_build_layout)
+    mb = to_micro_batch(batches[0], torch.device("cpu"), read_special_tokens(corpus).eos_id)
+    loss_sum(model, mb, FUSED)
+    assert len(given) == 1 and given[0] is mb.host_cu_seqlens
+    assert given[0].device.type == "cpu" and torch.equal(given[0], mb.cu_seqlens)
 
 
 @pytest.mark.parametrize("head", [True, False])

@@ -84,9 +84,9 @@ class VarlenLayout:
     [T] maps each token to its row in the concatenated group outputs (None when that is already
     token order). For compiled blocks both stay empty and the `nedolm::sdpa_varlen` op plans
     inside itself, so compiled graphs do not depend on how rows were packed (no recompiles from
-    batch to batch); `cu_seqlens` is then a CPU copy, read from the device once per forward,
-    so no layer waits for the device to plan. `flex` keeps its document block mask in
-    `block_mask`.
+    batch to batch); `cu_seqlens` is then a CPU copy (the caller's, else read from the device
+    once per forward), so no layer waits for the device to plan. `flex` keeps its document
+    block mask in `block_mask`.
     """
 
     impl: str
@@ -98,12 +98,20 @@ class VarlenLayout:
 
 
 def build_layout(
-    impl: str, cu_seqlens: Tensor, max_seqlen: int | None, n_tokens: int, *, compiled: bool = False
+    impl: str,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    n_tokens: int,
+    *,
+    compiled: bool = False,
+    host_cu_seqlens: Tensor | None = None,
 ) -> VarlenLayout:
     """Precompute a backend's view of the segments (the sdpa plan needs the lengths on host).
 
     `compiled`: the blocks run compiled (or this runs inside torch.compile), so sdpa leaves the
     plan to its op: a graph must not depend on how the rows were packed.
+    `host_cu_seqlens`: a CPU copy of `cu_seqlens` (the caller built it there): sdpa plans from
+    it instead of reading the device, which on a GPU waits for all the work queued before.
 
     Raises:
         ValueError: (sdpa, which reads the offsets anyway) cu_seqlens does not split
@@ -114,7 +122,7 @@ def build_layout(
         mask = document_block_mask(cu_seqlens, n_tokens)
         return VarlenLayout(impl, cu_seqlens, max_seqlen or 0, [], None, mask)
     if impl == "sdpa" and (compiled or torch.compiler.is_compiling()):
-        host_cu = cu_seqlens.cpu()
+        host_cu = cu_seqlens.cpu() if host_cu_seqlens is None else host_cu_seqlens.to(torch.int32)
         if not torch.compiler.is_compiling():  # a compiled block's input: any segment count
             torch._dynamo.maybe_mark_dynamic(host_cu, 0)
         return VarlenLayout(impl, host_cu, max_seqlen or 0, [], None)
@@ -122,7 +130,8 @@ def build_layout(
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         return VarlenLayout(impl, cu_seqlens, max_seqlen, [], None)
-    groups, inverse, max_len = sdpa_plan(cu_seqlens, n_tokens, cu_seqlens.device)
+    plan_from = cu_seqlens if host_cu_seqlens is None else host_cu_seqlens
+    groups, inverse, max_len = sdpa_plan(plan_from, n_tokens, cu_seqlens.device)
     return VarlenLayout(impl, cu_seqlens, max_len, groups, inverse)
 
 

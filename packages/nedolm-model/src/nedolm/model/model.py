@@ -248,6 +248,7 @@ class MorphTransformer(nn.Module):
         max_seqlen: int | None = None,
         position_ids: Tensor | None = None,
         target_index: Tensor | None = None,
+        host_cu_seqlens: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """Logits and/or the loss of next-token prediction.
 
@@ -266,6 +267,8 @@ class MorphTransformer(nn.Module):
             target_index: int64 [N] flattened positions the fused head scores (see
                 `target_rows`); default: every position whose label is not ignored, found on
                 the device (data-dependent: a host sync, and a graph break when compiled).
+            host_cu_seqlens: the same offsets as cu_seqlens, on the CPU (saves the sdpa
+                backend's host sync).
 
         Returns:
             (loss, logits): loss is None without labels, logits None if not requested.
@@ -286,6 +289,7 @@ class MorphTransformer(nn.Module):
         if cu_seqlens is None:
             row_len = shape[-1]
             cu_seqlens = torch.arange(0, T + 1, row_len, dtype=torch.int32, device=ids_T.device)
+            host_cu_seqlens = torch.arange(0, T + 1, row_len, dtype=torch.int32)  # no copy back
             max_seqlen = row_len
         device = ids_T.device
         dtype = (  # what attention computes in: the autocast dtype, else the weights'
@@ -295,7 +299,10 @@ class MorphTransformer(nn.Module):
         )
         impl = resolve_attn_impl(self.cfg.attn_impl, device, dtype, backward=False)
         blocks = self._compiled_blocks if self.training and self._compiled_blocks else self.blocks
-        layout = build_layout(impl, cu_seqlens, max_seqlen, T, compiled=blocks is not self.blocks)
+        compiled = blocks is not self.blocks
+        layout = build_layout(
+            impl, cu_seqlens, max_seqlen, T, compiled=compiled, host_cu_seqlens=host_cu_seqlens
+        )
         if position_ids is None:
             positions_T = positions_from_cu_seqlens(cu_seqlens, T)
         elif position_ids.numel() == T:

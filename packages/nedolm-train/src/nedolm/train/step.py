@@ -94,6 +94,16 @@ class MicroBatch:
     target_index: Tensor  # int64 [TARGET_ROWS * k] flattened target positions, -1 padded
     targets: int  # number of trained positions
     max_seqlen: int  # longest segment: sizes the kernel backends' grids (not the row length)
+    host_cu_seqlens: Tensor  # cu_seqlens on the CPU: the sdpa backend plans without a device read
+
+    def layout(self) -> dict[str, Any]:
+        """The packing keywords of the model's forward."""
+        return {
+            "cu_seqlens": self.cu_seqlens,
+            "max_seqlen": self.max_seqlen,
+            "position_ids": self.position_ids,
+            "host_cu_seqlens": self.host_cu_seqlens,
+        }
 
 
 TARGET_ROWS = 128
@@ -122,9 +132,12 @@ def to_micro_batch(batch: dict[str, Tensor], device: torch.device, eos_id: int) 
     bounds = cu_seqlens.tolist()  # host memory: plain Python, no tensor op per batch
     longest = max(end - start for start, end in itertools.pairwise(bounds))
     mb = MicroBatch(
-        *(_to_device(t, device) for t in host), targets=positions.numel(), max_seqlen=longest
+        *(_to_device(t, device) for t in host),
+        targets=positions.numel(),
+        max_seqlen=longest,
+        host_cu_seqlens=cu_seqlens,
     )
-    for varying in (mb.cu_seqlens, mb.target_index):
+    for varying in (mb.cu_seqlens, mb.host_cu_seqlens, mb.target_index):
         torch._dynamo.maybe_mark_dynamic(varying, 0)
     return mb
 
@@ -142,11 +155,7 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
 
 def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
     """Summed cross-entropy over the micro-batch's targets."""
-    layout = {
-        "cu_seqlens": mb.cu_seqlens,
-        "max_seqlen": mb.max_seqlen,
-        "position_ids": mb.position_ids,
-    }
+    layout = mb.layout()
     with torch.autocast(mb.inputs.device.type, dtype=torch.bfloat16, enabled=options.use_amp):
         if options.assistant_only_head:
             loss, _ = model(
