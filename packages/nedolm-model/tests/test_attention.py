@@ -288,6 +288,9 @@ def test_sdpa_plan_reads_host_offsets_and_puts_its_indices_on_the_attention_devi
     assert all(isinstance(g, torch.Tensor) and g.device.type == "meta" for g in groups)
 
 
+_HOST_READS = {torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.__int__}
+
+
 class DeviceOffsets(torch.Tensor):
     """cu_seqlens standing for a GPU tensor: notes each read that would wait for the device."""
 
@@ -295,7 +298,7 @@ class DeviceOffsets(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.item):
+        if func in _HOST_READS:
             cls.reads.append(func.__name__)
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -318,6 +321,16 @@ def test_sdpa_plans_from_a_host_copy_without_reading_the_device(compiled: bool) 
         assert torch.equal(got.inverse, want.inverse)
     build_layout("sdpa", device_copy, 30, 45, compiled=compiled)  # no copy: the device is read
     assert DeviceOffsets.reads
+
+
+def test_kernel_backends_find_the_longest_segment_in_the_host_copy() -> None:
+    """Without `max_seqlen`, flash and torch_varlen size their grid from the host copy."""
+    host = torch.tensor([0, 5, 6, 15, 45], dtype=torch.int32)
+    device_copy = host.clone().as_subclass(DeviceOffsets)
+    DeviceOffsets.reads = []
+    layout = build_layout("torch_varlen", device_copy, None, 45, host_cu_seqlens=host)
+    assert layout.max_seqlen == 30 and layout.cu_seqlens is not host
+    assert DeviceOffsets.reads == []
 
 
 def test_the_model_hands_sdpa_the_host_copy(make_model) -> None:

@@ -126,12 +126,12 @@ def build_layout(
         if not torch.compiler.is_compiling():  # a compiled block's input: any segment count
             torch._dynamo.maybe_mark_dynamic(host_cu, 0)
         return VarlenLayout(impl, host_cu, max_seqlen or 0, [], None)
+    offsets = cu_seqlens if host_cu_seqlens is None else host_cu_seqlens  # read on the host
     if impl != "sdpa":
         if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            max_seqlen = int((offsets[1:] - offsets[:-1]).max())
         return VarlenLayout(impl, cu_seqlens, max_seqlen, [], None)
-    plan_from = cu_seqlens if host_cu_seqlens is None else host_cu_seqlens
-    groups, inverse, max_len = sdpa_plan(plan_from, n_tokens, cu_seqlens.device)
+    groups, inverse, max_len = sdpa_plan(offsets, n_tokens, cu_seqlens.device)
     return VarlenLayout(impl, cu_seqlens, max_len, groups, inverse)
 
 
