@@ -4,6 +4,8 @@ reading only a checkpoint's model (verified, mapped, released)."""
 from __future__ import annotations
 
 import hashlib
+import io
+import itertools
 import re
 import subprocess
 import sys
@@ -13,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nedolm.train.async_save import BackgroundWrite, StagedCopies
+from nedolm.model.config import preset
+from nedolm.model.model import build_model
+from nedolm.train import async_save
+from nedolm.train.async_save import BackgroundWrite, StagedCopies, carve, plan_blocks
 from nedolm.train.checkpoint import (
     MODEL_DIGEST,
     CheckpointError,
@@ -79,6 +84,80 @@ def test_a_reservation_that_fails_is_logged_and_the_stage_allocates_instead(capl
     assert torch.equal(staged["w"], weight)
 
 
+def _saved_bytes(state: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def test_a_staged_state_saves_to_the_bytes_the_state_itself_saves() -> None:
+    """The buffers are slices of shared blocks, yet each is a storage of its own: the file
+    holds each tensor's bytes once (tied views included), as a save of the state does."""
+    weight = torch.randn(5, 7)
+    state = {
+        "model": {"w": weight, "tied": weight[2:], "t": weight.T, "half": torch.randn(9).half()},
+        "optimizer": [torch.arange(11), torch.zeros(0), torch.tensor([True, False])],
+        "rng": torch.randn(3, dtype=torch.float64),
+        "step": 4,
+    }
+    staged = StagedCopies().stage(state)
+    assert _saved_bytes(staged) == _saved_bytes(state)
+    blocks = {t.untyped_storage().data_ptr() for t in (staged["model"]["w"], staged["rng"])}
+    assert len(blocks) == 2  # separate storages, though cut from one block
+
+
+def _check_plan(sizes: list[int], block_sizes: list[int], placements) -> None:
+    """Every block a power of two; every buffer page-aligned, inside its block, alone."""
+    assert all(n & (n - 1) == 0 for n in block_sizes)
+    by_block: dict[int, list[tuple[int, int]]] = {}
+    for nbytes, (block, offset) in zip(sizes, placements, strict=True):
+        assert offset % async_save.PAGE_BYTES == 0
+        by_block.setdefault(block, []).append((offset, nbytes))
+    assert sorted(by_block) == list(range(len(block_sizes)))
+    for block, spans in by_block.items():
+        spans.sort()
+        for (offset, nbytes), (next_offset, _) in itertools.pairwise(spans):
+            assert offset + nbytes <= next_offset
+        assert spans[-1][0] + spans[-1][1] <= block_sizes[block]
+
+
+def test_buffers_are_carved_from_few_power_of_two_blocks_without_overlap(monkeypatch) -> None:
+    """Many sizes (one larger than a block, some empty) cut from blocks: each buffer has its
+    size, writes to one leave the others alone, and the blocks hold them tightly."""
+    monkeypatch.setattr(async_save, "BLOCK_BYTES", 1 << 16)
+    gen = torch.Generator().manual_seed(0)
+    sizes = [int(n) for n in torch.randint(1, 20_000, (40,), generator=gen)] + [0, 0, 100_000]
+    allocated: list[int] = []
+
+    def allocate(nbytes: int) -> torch.UntypedStorage:
+        allocated.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+
+    buffers = carve(sizes, allocate)
+    block_sizes, placements = plan_blocks(sizes)
+    assert allocated == block_sizes
+    _check_plan(sizes, block_sizes, placements)
+    assert [b.nbytes() for b in buffers] == sizes
+    for index, buffer in enumerate(buffers):
+        buffer.fill_(index % 256)
+    for index, buffer in enumerate(buffers):
+        assert set(buffer.tolist()) <= {index % 256}
+    pages = sum(-(-n // async_save.PAGE_BYTES) * async_save.PAGE_BYTES for n in sizes)
+    assert sum(block_sizes) <= 1.05 * pages  # a power of two per buffer: 1.19x these pages
+
+
+def test_nedolm_0_8b_and_its_adamw_moments_fit_blocks_within_2_percent_of_their_size() -> None:
+    """What ``reserve`` asks for a CUDA run of the 0.8B preset (the parameters in float32 and
+    two moments each): blocks within 2% of the state (8.73 GiB), where a pinned buffer per
+    tensor, rounded to its power of two, would take 11.44 GiB."""
+    model = build_model(preset("nedolm-0.8b"), device="meta", init_weights=False)
+    sizes = [p.numel() * p.element_size() for p in model.parameters()] * 3
+    block_sizes, placements = plan_blocks(sizes)
+    _check_plan(sizes, block_sizes, placements)
+    assert sum(block_sizes) <= 1.02 * sum(sizes)
+    assert sum(1 << (n - 1).bit_length() for n in sizes) > 1.3 * sum(sizes)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine pins: nothing to fall back")
 def test_pinned_memory_the_machine_refuses_is_replaced_by_pageable_memory(caplog) -> None:
     """A CUDA run that may not pin (a locked-memory limit; here a torch with no pinned allocator
@@ -88,7 +167,7 @@ def test_pinned_memory_the_machine_refuses_is_replaced_by_pageable_memory(caplog
     with caplog.at_level("WARNING", logger="nedolm.train.async_save"):
         first = staging._new_buffer(pinned=True, nbytes=64)
         second = staging._new_buffer(pinned=True, nbytes=32)
-    assert (first.numel(), second.numel()) == (64, 32)
+    assert (first.nbytes(), second.nbytes()) == (64, 32)
     assert first.device.type == "cpu" and not first.is_pinned()
     assert caplog.text.count("pinned memory refused") == 1, caplog.text
     assert "stage into pageable memory" in caplog.text
