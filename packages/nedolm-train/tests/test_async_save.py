@@ -140,8 +140,11 @@ def test_buffers_are_carved_from_few_power_of_two_blocks_without_overlap(monkeyp
     assert [b.nbytes() for b in buffers] == sizes
     for index, buffer in enumerate(buffers):
         buffer.fill_(index % 256)
+    # The blocks themselves were dropped: freed memory would now be handed out again.
+    others = [torch.full((n,), 255, dtype=torch.uint8) for n in block_sizes]
     for index, buffer in enumerate(buffers):
         assert set(buffer.tolist()) <= {index % 256}
+    assert all(bool((other == 255).all()) for other in others)
     pages = sum(-(-n // async_save.PAGE_BYTES) * async_save.PAGE_BYTES for n in sizes)
     assert sum(block_sizes) <= 1.05 * pages  # a power of two per buffer: 1.19x these pages
 
