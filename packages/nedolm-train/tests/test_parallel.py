@@ -34,6 +34,8 @@ from nedolm.train.sharded import (
     load_full_state,
     load_sharded,
     save_sharded,
+    sharded_background,
+    start_sharded_save,
     temporary_dir,
 )
 
@@ -229,6 +231,53 @@ def test_sharded_save_replaces_a_killed_save_and_refuses_a_partial_one(tmp_path:
     (final / MANIFEST).unlink()  # shards and DCP metadata on disk, manifest not yet written
     with pytest.raises(RankError, match="not a complete sharded checkpoint"):
         load_sharded(final, other, other_optimizer)
+
+
+def _full_weights_and_moments(model, optimizer) -> list[torch.Tensor]:
+    """Every parameter and its AdamW first moment, unsharded, in parameter order."""
+    params = list(model.parameters())
+    moments = [optimizer.state[p]["exp_avg"] for p in params]
+    return [t.full_tensor().clone() for t in params + moments]
+
+
+def test_background_sharded_saves_one_after_another_each_hold_their_own_step(
+    tmp_path: Path,
+) -> None:
+    """A run's background saves share one ``sharded_background``: its stager's CPU copies
+    (where this torch can keep them; torch 2.10/2.11 stage once, and DCP's default is used)
+    are overwritten by the next save, after the previous one is finished. Each checkpoint
+    loads exactly the weights and AdamW moments of its own step."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model, optimizer = tiny_model_and_optimizer(seed=0)
+        background = sharded_background(torch.device("cpu"))
+        saved: dict[Path, list[torch.Tensor]] = {}
+        for step in (1, 2, 3):
+            ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(step))
+            loss, _ = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            directory = tmp_path / f"step-{step}"
+            save = start_sharded_save(
+                directory, model, optimizer, {"step": step}, {}, background=background
+            )
+            saved[directory] = _full_weights_and_moments(model, optimizer)
+            save.finish()
+        first, second, _ = saved.values()
+        assert not any(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+        for directory, want in saved.items():
+            other, other_optimizer = tiny_model_and_optimizer(seed=1)
+            assert load_sharded(directory, other, other_optimizer)["step"] == int(
+                directory.name.split("-")[1]
+            )
+            got = _full_weights_and_moments(other, other_optimizer)
+            for index, (loaded, expected) in enumerate(zip(got, want, strict=True)):
+                assert torch.equal(loaded, expected), (directory.name, index)
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

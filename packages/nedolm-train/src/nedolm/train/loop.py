@@ -44,7 +44,7 @@ from nedolm.train.optim import lr_at_step, set_lr
 from nedolm.train.parallel import is_sharded
 from nedolm.train.profiling import StepProfiler, profile_window
 from nedolm.train.setup import Run
-from nedolm.train.sharded import ShardedSave, background_save_group, full_model_state
+from nedolm.train.sharded import ShardedSave, full_model_state, sharded_background
 from nedolm.train.signals import StopRequest
 from nedolm.train.step import LossWindow, StepResult, train_step
 from nedolm.train.validation import run_validation
@@ -77,8 +77,8 @@ class Trainer:
         self.staged = run.staged
         self.async_save = t.async_checkpoint
         self.sharded = is_sharded(run.state.model)
-        self.background_group = (
-            background_save_group() if self.async_save and self.sharded else None
+        self.sharded_background = (
+            sharded_background(run.info.device) if self.async_save and self.sharded else None
         )
         self.sharded_save: ShardedSave | None = None  # every rank's, under FSDP
         self.pending: tuple[int, float] | None = None
@@ -332,10 +332,10 @@ class Trainer:
                 checkpoint_path(run.cfg.run_dir, done).with_suffix(""),
                 ranks,
                 extra,
-                background_group=self.background_group,
+                background=self.sharded_background,
             )
             self.pending = (done, time.monotonic() - started)
-            if wait or self.background_group is None:
+            if wait or self.sharded_background is None:
                 self.collect_background_write(block=True)
             return
 

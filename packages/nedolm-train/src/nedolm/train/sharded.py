@@ -11,8 +11,9 @@ is on disk, and the directory only then gets its final name::
       nedolm-sharded.json       format version, world size, caller's metadata, the sha256
                                 of every other file and of itself (``seal``): written last
 
-The shards may be written in the background (``start_sharded_save`` with a gloo group of their
-own: DCP's ``async_save``), rank 0 then sealing on a thread. So a save killed at any point
+The shards may be written in the background (``start_sharded_save`` with a ``ShardedBackground``:
+DCP's ``async_save`` on a gloo group of its own, staging into CPU copies kept for the run), rank 0
+then sealing on a thread. So a save killed at any point
 leaves either the previous checkpoint or a hidden ``.tmp-`` directory that ``load_sharded``
 refuses, and ``verify_sharded`` catches flipped bytes in any
 file, the manifest included (format 1 directories, written before the digests, are read
@@ -30,6 +31,7 @@ import json
 import shutil
 import warnings
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -99,12 +102,13 @@ def start_sharded_save(
     meta: dict[str, Any],
     payload: dict[str, Any] | None = None,
     *,
-    background_group: dist.ProcessGroup | None = None,
+    background: ShardedBackground | None = None,
 ) -> ShardedSave:
     """``save_sharded`` up to the shards: a collective that returns once they are written, or,
-    with ``background_group``, once every rank has copied its shards to CPU memory (DCP's
-    ``async_save``; its threads coordinate over that group, never the training's). The
-    directory is sealed by ``ShardedSave.finish``, on every rank.
+    with ``background``, once every rank has copied its shards to CPU memory (DCP's
+    ``async_save``; its threads coordinate over the background's group, never the training's).
+    The directory is sealed by ``ShardedSave.finish``, on every rank. A background save must
+    be finished before the next starts: it is written from the stager's buffers.
     """
     final, tmp = Path(directory), temporary_dir(Path(directory))
     manifest = {"format": FORMAT_VERSION, "world_size": get_world_size(), "meta": meta}
@@ -117,17 +121,59 @@ def start_sharded_save(
     main_rank_call(get_info(), f"prepare {tmp}", prepare)  # nobody writes before it is clean
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    if background_group is None:
+    if background is None:
         dcp.save(state, checkpoint_id=tmp)
         return ShardedSave(final, manifest, payload, written=None)
-    written = dcp.async_save(state, checkpoint_id=tmp, process_group=background_group)
+    written = dcp.async_save(
+        state,
+        checkpoint_id=tmp,
+        process_group=background.group,
+        async_stager=background.stager,
+    )
     return ShardedSave(final, manifest, payload, written=written)
 
 
-def background_save_group() -> dist.ProcessGroup:
-    """A gloo group for ``start_sharded_save``'s background threads (a collective: every rank
-    creates it, once): collectives of two threads must not share one process group."""
-    return dist.new_group(backend="gloo")
+@dataclass(frozen=True)
+class ShardedBackground:
+    """What a run keeps for its sharded saves in the background: a gloo group for DCP's
+    threads (collectives of two threads must not share one process group) and, where torch
+    allows, the stager whose CPU copies of this rank's shards every save reuses (None: DCP's
+    default, a new stager and new copies per save)."""
+
+    group: dist.ProcessGroup
+    stager: DefaultStager | None
+
+
+def sharded_background(device: torch.device) -> ShardedBackground:
+    """A collective: every rank creates it, once."""
+    return ShardedBackground(dist.new_group(backend="gloo"), kept_stager(device))
+
+
+def kept_stager(device: torch.device) -> DefaultStager | None:
+    """A stager that keeps its CPU copies (one per source storage) for the next save, pinned
+    at their exact size on CUDA, where the copies run non-blocking and are synchronized before
+    the write starts; None where this torch's cannot stage twice.
+
+    DCP's ``async_save`` without a stager copies each save into new pageable memory, allocated
+    and faulted in while training waits, then dropped. torch 2.10 and 2.11's ``DefaultStager``
+    empties its copier after each stage (its second stage raises ``KeyError``); a stage of a
+    one-element state tells which this torch is.
+    """
+    cuda = device.type == "cuda"
+    options = StagingOptions(
+        use_pinned_memory=cuda,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=cuda,
+    )
+    stager = DefaultStager(options)
+    probe = {"probe": torch.zeros(1, device=device)}
+    try:
+        stager.stage(probe)
+        stager.stage(probe)
+    except KeyError:
+        return None
+    return stager
 
 
 class ShardedSave:

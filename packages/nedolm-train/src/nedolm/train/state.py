@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from nedolm.data.loader import SFTLoader
 from nedolm.train.checkpoint import load_checkpoint
 from nedolm.train.parallel import is_sharded
 from nedolm.train.sharded import (
+    ShardedBackground,
     ShardedSave,
     load_full_state,
     load_sharded,
@@ -122,17 +122,17 @@ class TrainState:
         ranks: list[dict[str, Any]],
         extra: dict,
         *,
-        background_group: ProcessGroup | None = None,
+        background: ShardedBackground | None = None,
     ) -> ShardedSave:
         """A collective: every rank writes its shards (in the background with
-        ``background_group``); rank 0's seal adds ``payload(ranks)`` + ``extra``."""
+        ``background``); rank 0's seal adds ``payload(ranks)`` + ``extra``."""
         return start_sharded_save(
             directory,
             self.model,
             self.optimizer,
             {"step": self.progress.step},
             {**self.payload(ranks), **extra},
-            background_group=background_group,
+            background=background,
         )
 
     def load_sharded(
