@@ -8,7 +8,7 @@ One gloo rank in this process, the model FSDP-wrapped (the ``tiny`` preset widen
 so the shards hold ~3.4 GiB. Each round saves once each way, alternating which goes first,
 through the trainer's own ``start_sharded_save``: the pause is that call (the staging), the
 write is ``finish`` after it (DCP's thread writes the shards, rank 0 seals). Both ways write the
-same checkpoint. On torch 2.10 and 2.11 there is no kept stager (``kept_stager`` returns None):
+same checkpoint. On torch 2.11 there is no kept stager (``kept_stager`` returns None):
 the bench says so and stops.
 """
 

@@ -244,7 +244,7 @@ def test_background_sharded_saves_one_after_another_each_hold_their_own_step(
     tmp_path: Path,
 ) -> None:
     """A run's background saves share one ``sharded_background``: its stager's CPU copies
-    (where this torch can keep them; torch 2.10/2.11 stage once, and DCP's default is used)
+    (where this torch can keep them; torch 2.11's stages once, and DCP's default is used)
     are overwritten by the next save, after the previous one is finished. Each checkpoint
     loads exactly the weights and AdamW moments of its own step."""
     torch.distributed.init_process_group(

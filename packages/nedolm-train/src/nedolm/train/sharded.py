@@ -155,9 +155,9 @@ def kept_stager(device: torch.device) -> DefaultStager | None:
     the write starts; None where this torch's cannot stage twice.
 
     DCP's ``async_save`` without a stager copies each save into new pageable memory, allocated
-    and faulted in while training waits, then dropped. torch 2.10 and 2.11's ``DefaultStager``
-    empties its copier after each stage (its second stage raises ``KeyError``); a stage of a
-    one-element state tells which this torch is.
+    and faulted in while training waits, then dropped. torch 2.11's ``DefaultStager`` empties
+    its copier after each stage (its second stage raises ``KeyError``; 2.10's and 2.13's keep
+    it): two stages of a one-element state tell which this torch is.
     """
     cuda = device.type == "cuda"
     options = StagingOptions(
