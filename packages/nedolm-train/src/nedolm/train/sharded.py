@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import warnings
 from concurrent.futures import Future
@@ -55,6 +56,8 @@ from nedolm.train.async_save import BackgroundWrite
 from nedolm.train.checksum import digest_mismatch, file_digests
 from nedolm.train.faults import maybe_inject
 from nedolm.train.parallel import unwrap
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "nedolm-sharded.json"
 PAYLOAD = "train_state.pt"
@@ -157,7 +160,8 @@ def kept_stager(device: torch.device) -> DefaultStager | None:
     DCP's ``async_save`` without a stager copies each save into new pageable memory, allocated
     and faulted in while training waits, then dropped. torch 2.11's ``DefaultStager`` empties
     its copier after each stage (its second stage raises ``KeyError``; 2.10's and 2.13's keep
-    it): two stages of a one-element state tell which this torch is.
+    it): two stages of a one-element state tell which this torch is. Any failure there means
+    DCP's default, said in the log: a run must not end for a faster checkpoint.
     """
     cuda = device.type == "cuda"
     options = StagingOptions(
@@ -171,7 +175,13 @@ def kept_stager(device: torch.device) -> DefaultStager | None:
     try:
         stager.stage(probe)
         stager.stage(probe)
-    except KeyError:
+    except Exception as error:  # torch 2.11: KeyError at the second stage
+        log.info(
+            "DCP's stager cannot stage twice here (%s: %s): each background sharded save "
+            "stages into new memory",
+            type(error).__name__,
+            error,
+        )
         return None
     return stager
 
