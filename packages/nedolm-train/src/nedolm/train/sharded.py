@@ -164,15 +164,15 @@ def kept_stager(device: torch.device) -> DefaultStager | None:
     DCP's default, said in the log: a run must not end for a faster checkpoint.
     """
     cuda = device.type == "cuda"
-    options = StagingOptions(
-        use_pinned_memory=cuda,
-        use_shared_memory=False,
-        use_async_staging=False,
-        use_non_blocking_copy=cuda,
-    )
-    stager = DefaultStager(options)
     probe = {"probe": torch.zeros(1, device=device)}
     try:
+        options = StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
+        stager = DefaultStager(options)
         stager.stage(probe)
         stager.stage(probe)
     except Exception as error:  # torch 2.11: KeyError at the second stage
