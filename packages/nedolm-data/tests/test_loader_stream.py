@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from nedolm.data.loader import StopSignalGuard, build_sft_loader
+from nedolm.data.loader import build_sft_loader
+from nedolm.data.loader_workers import StopSignalGuard
 from nedolm.data.packing import PlannedShard, discover_sft_shards
 from nedolm.data.synthetic import PAD_ID, UNIQUE_BASE_ID, random_conversations, write_corpus
 

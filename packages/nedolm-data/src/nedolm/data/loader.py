@@ -2,12 +2,8 @@
 
 The stream is a pure function of (plan, seed, rank, world_size, micro_batch_size):
 
-* every epoch ``e`` shuffles all windows of the given shards with
-  ``np.random.default_rng([seed, e]).permutation``; rank ``r`` takes ``perm[r::world_size]``;
-* after an elastic resume (another world size, micro-batch or worker count) the stream starts
-  with a *prefix*: the windows of the interrupted epoch that no old rank consumed, dealt
-  ``prefix[r::world_size]``; epochs then continue from the next one (``WindowStream``);
-* a rank's epochs are concatenated into one endless sequence of windows, cut into batches of
+* each rank trains its share of every epoch's shuffled windows, after an elastic resume's
+  prefix (``nedolm.data.window_stream``), as one endless sequence of windows cut into batches of
   ``micro_batch_size`` (a batch may straddle two epochs: epochs continue seamlessly);
 * with ``num_workers`` workers, worker ``w`` builds batches ``start + w``,
   ``start + w + num_workers``, ... which the DataLoader hands out round-robin from worker 0,
@@ -27,11 +23,6 @@ yields exactly the batches the uninterrupted run would have.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
-import os
-import signal
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -40,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from nedolm.data.format import read_special_tokens
+from nedolm.data.loader_workers import StopSignalGuard, worker_start_method
 from nedolm.data.packing import (
     PlannedShard,
     discover_sft_shards,
@@ -47,6 +39,7 @@ from nedolm.data.packing import (
     plan_fingerprint,
     target_ranges,
 )
+from nedolm.data.window_stream import WindowStream, remaining_windows
 
 STATE_COLUMNS = (
     "worker",
@@ -124,101 +117,6 @@ class _ShardWindows:
         row[:n] = self.tokens[index]
         m0, m1 = self.span_offsets[window], self.span_offsets[window + 1]
         return self.span_start[m0:m1], self.span_len[m0:m1]
-
-
-def epoch_permutation(seed: int, epoch: int, total_windows: int) -> np.ndarray:
-    """The global window order of ``epoch``: a pure function of the seed."""
-    return np.random.default_rng([seed, epoch]).permutation(total_windows)
-
-
-class WindowStream:
-    """Which global window one rank trains at each position of its endless stream.
-
-    The stream is ``prefix[rank::world_size]`` (empty unless resumed elastically), then
-    epochs ``first_epoch, first_epoch + 1, ...``, each ``perm(e)[rank::world_size]``.
-    Positions in the prefix carry the epoch label ``first_epoch - 1`` (the epoch they finish)
-    and their index in this rank's share of the prefix as cursor.
-    """
-
-    def __init__(
-        self,
-        total_windows: int,
-        seed: int,
-        rank: int,
-        world_size: int,
-        prefix: np.ndarray | None = None,
-        first_epoch: int = 0,
-    ) -> None:
-        self.total_windows, self.seed = total_windows, seed
-        self.rank, self.world_size = rank, world_size
-        self.prefix = np.zeros(0, np.int64) if prefix is None else np.asarray(prefix, np.int64)
-        self.first_epoch = first_epoch
-        self.share = self.prefix[rank::world_size]
-        self.per_epoch = len(range(rank, total_windows, world_size))
-        self._epochs: dict[int, np.ndarray] = {}
-
-    def epoch_windows(self, epoch: int) -> np.ndarray:
-        """Global window ids this rank trains in ``epoch``, in order (cached: two epochs)."""
-        if epoch not in self._epochs:
-            perm = epoch_permutation(self.seed, epoch, self.total_windows)
-            self._epochs = {e: w for e, w in self._epochs.items() if e == epoch - 1}
-            self._epochs[epoch] = perm[self.rank :: self.world_size]
-        return self._epochs[epoch]
-
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(epoch label, cursor) of each stream position."""
-        after = positions - len(self.share)
-        in_prefix = after < 0
-        epochs = np.where(
-            in_prefix, self.first_epoch - 1, self.first_epoch + after // self.per_epoch
-        )
-        return epochs, np.where(in_prefix, positions, after % self.per_epoch)
-
-    def position(self, epoch: int, cursor: int) -> int:
-        """The stream position ``locate`` maps to (``epoch``, ``cursor``)."""
-        if epoch < self.first_epoch:
-            return cursor
-        return len(self.share) + (epoch - self.first_epoch) * self.per_epoch + cursor
-
-    def windows(self, positions: np.ndarray) -> np.ndarray:
-        """Global window id at each stream position."""
-        epochs, cursors = self.locate(positions)
-        windows = np.empty(len(positions), np.int64)
-        in_prefix = epochs < self.first_epoch
-        windows[in_prefix] = self.share[cursors[in_prefix]]
-        for epoch in np.unique(epochs[~in_prefix]).tolist():
-            rows = epochs == epoch
-            windows[rows] = self.epoch_windows(epoch)[cursors[rows]]
-        return windows
-
-
-def remaining_windows(
-    streams: Sequence[WindowStream], consumed: Sequence[int]
-) -> tuple[np.ndarray, int]:
-    """What an elastic resume re-deals: (windows no rank consumed, first epoch after them).
-
-    ``streams[r]`` is old rank ``r``'s stream and ``consumed[r]`` how many of its positions
-    were trained. Every segment some rank has entered (the prefix, then each epoch up to the
-    furthest rank's) contributes its unconsumed windows in segment order, so each window is
-    still trained exactly once per epoch.
-    """
-    head, world_size = streams[0], len(streams)
-    pairs = list(zip(streams, consumed, strict=True))
-    last = max(int(s.locate(np.array([n]))[0][0]) for s, n in pairs)
-    segments = [(head.prefix, [min(n, len(s.share)) for s, n in pairs])]
-    for epoch in range(head.first_epoch, last + 1):
-        skip = epoch - head.first_epoch
-        counts = [
-            int(np.clip(n - len(s.share) - skip * s.per_epoch, 0, s.per_epoch)) for s, n in pairs
-        ]
-        segments.append((epoch_permutation(head.seed, epoch, head.total_windows), counts))
-    pieces = []
-    for windows, counts in segments:
-        taken = np.zeros(len(windows), bool)
-        for rank, count in enumerate(counts):
-            taken[np.arange(rank, len(windows), world_size)[:count]] = True
-        pieces.append(windows[~taken])
-    return np.concatenate(pieces).astype(np.int64), max(head.first_epoch, last + 1)
 
 
 class SFTWindowDataset(IterableDataset):
@@ -599,7 +497,7 @@ def build_sft_loader(
             "prefetch_factor": prefetch_factor,
             "persistent_workers": persistent_workers,
             "worker_init_fn": StopSignalGuard(),
-            "multiprocessing_context": _worker_start_method(),
+            "multiprocessing_context": worker_start_method(),
         }
     dataloader = DataLoader(
         dataset,
@@ -612,70 +510,3 @@ def build_sft_loader(
     if resume_state:
         loader.load_state_dict(resume_state)
     return loader, dataset
-
-
-class StopSignalGuard:
-    """``worker_init_fn``: workers die with their parent, and ignore SIGTERM and SIGINT until
-    the main process exits.
-
-    A worker orphaned by a ``kill -9`` of the trainer would otherwise live on until torch's
-    watchdog notices (seconds), using memory and CPU the requeued job needs; on Linux the
-    kernel sends it SIGKILL when its parent dies (``PR_SET_PDEATHSIG``). The signal follows the
-    *thread* that forked the worker: iterate the loader from a thread that lives as long as
-    the loader (the trainer's main thread does).
-
-    A scheduler's SIGTERM (or a terminal's Ctrl-C) reaches every process of the job; the
-    workers must keep serving batches while the main process writes its checkpoint. But when
-    the main process exits, ``multiprocessing`` ends its daemon workers with SIGTERM and then
-    joins them, which would hang forever on a worker that ignores it. So the main process
-    raises a shared flag at exit (an ``atexit`` hook registered after multiprocessing's own,
-    hence run before it), and a worker whose flag is up exits on SIGTERM.
-    """
-
-    def __init__(self) -> None:
-        self.exiting = _main_process_exit_flag()
-
-    def __call__(self, _worker_id: int) -> None:
-        _die_with_parent()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, _signum: int, _frame: object) -> None:
-        if self.exiting[0]:
-            os._exit(0)
-
-
-def _worker_start_method() -> str | None:
-    """``fork`` on Linux, whatever Python's default: ``StopSignalGuard`` needs the workers to
-    be the trainer's children. Under ``forkserver`` (Python 3.14's default there) their parent
-    is the fork server, which a job-wide SIGTERM kills, and the workers die with it while the
-    trainer still needs batches to reach its stop checkpoint. Elsewhere Python's default (macOS:
-    ``spawn``, as fork is unsafe there)."""
-    return "fork" if sys.platform.startswith("linux") else None
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when the parent dies (Linux; elsewhere torch's watchdog)."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:  # the parent died before the request: nobody will send it
-        os._exit(0)
-
-
-_EXIT_FLAG: torch.Tensor | None = None
-
-
-def _main_process_exit_flag() -> torch.Tensor:
-    """One shared-memory byte per main process, set to 1 when that process exits."""
-    global _EXIT_FLAG
-    if _EXIT_FLAG is None:
-        _EXIT_FLAG = torch.zeros(1, dtype=torch.uint8).share_memory_()
-        atexit.register(_EXIT_FLAG.fill_, 1)
-    return _EXIT_FLAG
