@@ -90,6 +90,14 @@ def test_stats_json_matches_the_audit(corpus):
     assert text.exit_code == 0 and "seq_len 2048: windows" in text.output
 
 
+def test_stats_of_a_corpus_without_its_packing_audit_names_the_file(corpus, tmp_path):
+    copy = Path(shutil.copytree(corpus[0], tmp_path / "corpus"))
+    (copy / "PACKING_POLICY_ADAPTIVE_AUDIT.json").unlink()
+    result = _run("stats", copy)
+    assert result.exit_code == 1
+    assert "PACKING_POLICY_ADAPTIVE_AUDIT.json has no usable seq_len" in result.output
+
+
 @pytest.mark.parametrize(
     ("extra", "exit_code", "message"),
     [

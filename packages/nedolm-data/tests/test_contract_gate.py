@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 
 import pytest
@@ -13,6 +14,7 @@ from nedolm.data.contract import (
     REQUIRED_TRUE,
     DatasetContractError,
     aggregate_sha256,
+    audited_seq_len,
     validate_dataset_contract,
 )
 from nedolm.data.packing import discover_sft_shards
@@ -207,3 +209,20 @@ def test_role_counts_agree_across_verifier_summary_and_trainer_check(corpus):
     assert report["trainable_messages"] == trainer["assistant_trainable"]
     assert summary["assistant_trainable_messages"] == trainer["assistant_trainable"]
     assert summary["assistant_context_messages"] == trainer["assistant_context"]
+
+
+def test_audited_seq_len_reads_only_that_key_and_names_the_file_it_cannot_use(corpus):
+    audit = corpus / "PACKING_POLICY_ADAPTIVE_AUDIT.json"
+    assert audited_seq_len(corpus) == SEQ_LEN
+    _edit(audit, lambda doc: doc.pop("schema"))  # an older audit: still describes its corpus
+    assert audited_seq_len(corpus) == SEQ_LEN
+    for bad in (0, "1024", None):
+        _edit(audit, lambda doc, bad=bad: doc.update(seq_len=bad))
+        with pytest.raises(DatasetContractError, match=f"{re.escape(str(audit))} has no usable seq_len"):
+            audited_seq_len(corpus)
+    audit.write_text("{", encoding="utf-8")
+    with pytest.raises(DatasetContractError, match="has no usable seq_len"):
+        audited_seq_len(corpus)
+    audit.unlink()
+    with pytest.raises(DatasetContractError, match=f"{re.escape(str(audit))} has no usable seq_len"):
+        audited_seq_len(corpus)

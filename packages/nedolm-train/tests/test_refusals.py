@@ -62,6 +62,17 @@ def test_missing_or_failed_contract_files(harness, tmp_path, corpus, base_run, d
     assert needle in str(err.value)
 
 
+def test_a_corpus_without_its_packing_audit_is_named_before_anything_is_built(
+    harness, tmp_path, corpus, base_run
+):
+    data = _copy_corpus(corpus, tmp_path)
+    (data / "PACKING_POLICY_ADAPTIVE_AUDIT.json").unlink()
+    with pytest.raises(RuntimeError, match="read corpus seq_len failed") as err:
+        _run(_config_for(harness, tmp_path, data, base_run))
+    assert f"{data / 'PACKING_POLICY_ADAPTIVE_AUDIT.json'} has no usable seq_len" in str(err.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def _merge_first_two_documents(data: Path) -> None:
     """Overwrite shard 1's first EOS (documents 0 and 1 would share attention) and re-hash the
     manifest to match: only the recomputation from the binaries can see it."""

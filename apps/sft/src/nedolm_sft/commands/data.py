@@ -14,7 +14,7 @@ from nedolm.data.advice import build_warnings, drop_hint, stop_hint
 from nedolm.data.atomic import atomic_write_bytes
 from nedolm.data.build_options import DEFAULT_SHARDS, DEFAULT_VAL_FRACTION
 from nedolm.data.builder import BuildError, BuildOptions, BuildReport, build_corpus
-from nedolm.data.contract import PACKING_AUDIT_FILE
+from nedolm.data.contract import DatasetContractError, audited_seq_len
 from nedolm.data.drops import drop_warning
 from nedolm.data.format import ShardFormatError
 from nedolm.data.inputs import FORMATS
@@ -458,8 +458,7 @@ def stats(data_dir: Path, seq_len: int | None, as_json: bool) -> None:
       nedolm-sft stats corpus/ --seq-len 2048
     """
     try:
-        audit_path = data_dir / PACKING_AUDIT_FILE
-        built_seq_len = int(json.loads(audit_path.read_text(encoding="utf-8"))["seq_len"])
+        built_seq_len = audited_seq_len(data_dir)
         seq_len = seq_len or built_seq_len
         planned = discover_sft_shards(data_dir, seq_len)
         result = {
@@ -467,7 +466,7 @@ def stats(data_dir: Path, seq_len: int | None, as_json: bool) -> None:
             "packing": corpus_stats(planned, seq_len),
             "packing_quality": packing_quality(planned, seq_len),
         }
-    except (*_USER_ERRORS, OSError, KeyError, ValueError) as exc:
+    except (*_USER_ERRORS, DatasetContractError, OSError, KeyError, ValueError) as exc:
         raise click.ClickException(f"{data_dir}: {exc}") from exc
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True, ensure_ascii=False))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from nedolm.data.contract import DatasetContractError, audited_seq_len
 from nedolm.data.format import ShardFormatError
 from nedolm.data.inspect import (
     InspectError,
@@ -25,18 +26,8 @@ from nedolm.data.packing import PackingError, discover_sft_shards
 from nedolm.data.records import ROLE_HEADERS
 from nedolm.data.render import is_tool_call_line
 
-PACKING_AUDIT = "PACKING_POLICY_ADAPTIVE_AUDIT.json"
 TARGET_OPEN, TARGET_CLOSE = "[[", "]]"
 """How targets are marked when colour is off (piped output, NO_COLOR): ``[[trained text]]``."""
-
-
-def audited_seq_len(data_dir: Path) -> int:
-    """The seq_len the corpus's packing audit was computed for."""
-    path = data_dir / PACKING_AUDIT
-    try:
-        return int(json.loads(path.read_text(encoding="utf-8"))["seq_len"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise click.UsageError(f"{path} has no usable seq_len ({exc}); pass --seq-len") from exc
 
 
 def colour_on() -> bool:
@@ -191,7 +182,11 @@ def inspect(
     """
     if sum(x is not None and x is not False for x in (window, doc, all_windows)) > 1:
         raise click.UsageError("--window, --doc and --all are mutually exclusive")
-    seq_len = seq_len or audited_seq_len(data_dir)
+    if not seq_len:
+        try:
+            seq_len = audited_seq_len(data_dir)
+        except DatasetContractError as exc:
+            raise click.UsageError(f"{exc}; pass --seq-len") from exc
     try:
         shards = discover_sft_shards(data_dir, seq_len)
         if all_windows and as_json:

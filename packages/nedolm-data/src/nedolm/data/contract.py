@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -263,6 +263,26 @@ def typed(path: Path, doc: dict[str, Any], kind: type[_Document]) -> _Document:
         if str(exc).startswith("Object missing required field"):
             hint = " (written by an older nedolm-data? prepare the corpus again with this version)"
         raise DatasetContractError(f"{path}: {exc}{hint}") from exc
+
+
+class _AuditedSeqLen(msgspec.Struct):
+    seq_len: Annotated[int, msgspec.Meta(gt=0)]
+
+
+def audited_seq_len(data_dir: Path) -> int:
+    """The seq_len the corpus in ``data_dir`` was packed and audited at: its packing audit's.
+
+    Only that key is read, so that commands describing a corpus (``inspect``, ``stats``) work on
+    one whose audit lacks keys of newer versions; training checks the whole audit.
+
+    Raises:
+        DatasetContractError: naming the file, when it is unreadable or has no positive seq_len.
+    """
+    path = data_dir / PACKING_AUDIT_FILE
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=_AuditedSeqLen).seq_len
+    except (OSError, msgspec.DecodeError) as exc:
+        raise DatasetContractError(f"{path} has no usable seq_len ({exc})") from exc
 
 
 def audit_problems(audit: PackingAudit, seq_len: int) -> list[str]:

@@ -24,13 +24,7 @@ import torch
 from torch import nn
 
 from nedolm.data.atomic import atomic_write_bytes
-from nedolm.data.contract import (
-    PACKING_AUDIT_FILE,
-    DatasetContractError,
-    PackingAudit,
-    typed,
-    validate_dataset_contract,
-)
+from nedolm.data.contract import audited_seq_len, validate_dataset_contract
 from nedolm.data.loader import SFTLoader, build_sft_loader
 from nedolm.data.packing import PlannedShard, discover_sft_shards
 from nedolm.data.roles import validate_roles
@@ -146,7 +140,9 @@ def prepare_run(
             run_config, morph_dispatch=cfg.train.morph_dispatch, attn_impl=cfg.train.attn_impl
         ),
     )
-    corpus_seq_len = all_rank_call(info, "read corpus seq_len", lambda: audited_seq_len(cfg))
+    corpus_seq_len = all_rank_call(
+        info, "read corpus seq_len", lambda: audited_seq_len(cfg.data_dir)
+    )
     seq_len = cfg.train.seq_len or corpus_seq_len
     all_rank_call(
         info,
@@ -262,18 +258,6 @@ def prepare_run(
     )
     main_rank_call(info, "write run metadata", lambda: _write_metadata(run, data))
     return run
-
-
-def audited_seq_len(cfg: SFTConfig) -> int:
-    """The seq_len the corpus was prepared and audited at: ``train.seq_len``'s default."""
-    path = cfg.data_dir / PACKING_AUDIT_FILE
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise DatasetContractError(
-            f"{path}: cannot read the corpus's packing audit: {exc}"
-        ) from exc
-    return typed(path, doc, PackingAudit).seq_len
 
 
 def _check_runtime(
