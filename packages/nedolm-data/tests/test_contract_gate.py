@@ -218,11 +218,15 @@ def test_audited_seq_len_reads_only_that_key_and_names_the_file_it_cannot_use(co
     assert audited_seq_len(corpus) == SEQ_LEN
     for bad in (0, "1024", None):
         _edit(audit, lambda doc, bad=bad: doc.update(seq_len=bad))
-        with pytest.raises(DatasetContractError, match=f"{re.escape(str(audit))} has no usable seq_len"):
+        with pytest.raises(
+            DatasetContractError, match=f"{re.escape(str(audit))} has no usable seq_len"
+        ):
             audited_seq_len(corpus)
     audit.write_text("{", encoding="utf-8")
     with pytest.raises(DatasetContractError, match="has no usable seq_len"):
         audited_seq_len(corpus)
     audit.unlink()
-    with pytest.raises(DatasetContractError, match=f"{re.escape(str(audit))} has no usable seq_len"):
+    with pytest.raises(
+        DatasetContractError, match=f"{re.escape(str(audit))} has no usable seq_len"
+    ):
         audited_seq_len(corpus)
