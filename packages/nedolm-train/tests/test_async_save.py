@@ -171,7 +171,9 @@ def test_pinned_memory_the_machine_refuses_is_replaced_by_pageable_memory(caplog
         first = staging._new_buffer(pinned=True, nbytes=64)
         second = staging._new_buffer(pinned=True, nbytes=32)
     assert (first.nbytes(), second.nbytes()) == (64, 32)
-    assert first.device.type == "cpu" and not first.is_pinned()
+    # Asked through a tensor view: UntypedStorage.is_pinned() warns on torch 2.10 and 2.11.
+    assert first.device.type == "cpu"
+    assert not torch.empty(0, dtype=torch.uint8).set_(first).is_pinned()
     assert caplog.text.count("pinned memory refused") == 1, caplog.text
     assert "stage into pageable memory" in caplog.text
 
