@@ -1,4 +1,4 @@
-"""Which global window each rank trains at each position of its endless stream.
+"""The order in which the ranks train a corpus's windows, epoch after epoch.
 
 A pure function of (total windows, seed, rank, world size), plus an elastic resume's prefix:
 
