@@ -90,7 +90,8 @@ def main() -> None:
     stager = kept_stager(info.device)
     if stager is None:
         print(
-            f"torch {torch.__version__}: no kept stager (DCP's stager stages once): nothing to compare"
+            f"torch {torch.__version__}: no kept stager (DCP's stager stages once): "
+            "nothing to compare"
         )
         cleanup()
         return

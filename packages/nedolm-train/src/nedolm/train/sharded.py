@@ -11,14 +11,14 @@ is on disk, and the directory only then gets its final name::
       nedolm-sharded.json       format version, world size, caller's metadata, the sha256
                                 of every other file and of itself (``seal``): written last
 
-The shards may be written in the background (``start_sharded_save`` with a ``ShardedBackground``:
-DCP's ``async_save`` on a gloo group of its own, staging into CPU copies that ``kept_stager``
-keeps for the run where torch allows), rank 0 then sealing on a thread. So a save killed at any point
-leaves either the previous checkpoint or a hidden ``.tmp-`` directory that ``load_sharded``
-refuses, and ``verify_sharded`` catches flipped bytes in any
+The shards may be written in the background (``start_sharded_save`` with a
+``ShardedBackground``: DCP's ``async_save`` on a gloo group of its own, staging into CPU copies
+that ``kept_stager`` keeps for the run where torch allows), rank 0 then sealing on a thread. So
+a save killed at any point leaves either the previous checkpoint or a hidden ``.tmp-``
+directory that ``load_sharded`` refuses, and ``verify_sharded`` catches flipped bytes in any
 file, the manifest included (format 1 directories, written before the digests, are read
-unverified). DCP stores global shapes, so a checkpoint written by
-N ranks (DDP or FSDP) loads on M ranks under either mode.
+unverified). DCP stores global shapes, so a checkpoint written by N ranks (DDP or FSDP) loads on
+M ranks under either mode.
 
 The *full* state (``full_state``/``load_full_state``) is the unsharded, name-keyed form of
 ``torch.distributed.checkpoint.state_dict``: the format a DDP run keeps and an export needs.
