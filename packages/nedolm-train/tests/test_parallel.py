@@ -11,12 +11,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.nn.parallel import DistributedDataParallel
 
@@ -261,31 +263,71 @@ def test_a_stager_that_cannot_stage_twice_leaves_the_saves_to_dcps_default(
     assert "cannot stage twice here (KeyError" in caplog.text
 
 
-def test_background_sharded_saves_one_after_another_each_hold_their_own_step(
-    tmp_path: Path,
+class HeldWrites:
+    """Holds DCP's file writes, which ``async_save`` runs on its upload thread, until released:
+    a training step taken meanwhile certainly runs while its checkpoint is being written."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self.released = threading.Event(), threading.Event()
+        write = FileSystemWriter.write_data
+
+        def held_write(writer, *args, **kwargs):
+            self.entered.set()
+            if not self.released.wait(TIMEOUT_S):
+                raise TimeoutError("the test never released the held write")
+            return write(writer, *args, **kwargs)
+
+        monkeypatch.setattr(FileSystemWriter, "write_data", held_write)
+
+    def wait_until_held(self) -> None:
+        assert self.entered.wait(TIMEOUT_S), "the background save never reached its write"
+
+    def release(self) -> None:
+        self.released.set()
+
+    def hold_next(self) -> None:
+        self.entered.clear()
+        self.released.clear()
+
+
+def _train_step(model, optimizer, seed: int) -> None:
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(seed))
+    loss, _ = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_background_sharded_saves_hold_their_own_step_while_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run's background saves share one ``sharded_background``: its stager's CPU copies
     (where this torch can keep them; torch 2.11's stages once, and DCP's default is used)
-    are overwritten by the next save, after the previous one is finished. Each checkpoint
-    loads exactly the weights and AdamW moments of its own step."""
+    are overwritten by the next save, after the previous one is finished. Each save's write is
+    held until a training step has changed every weight and moment in place, so a stager whose
+    copies aliased the live shards would write that later step. Each checkpoint loads exactly
+    the weights and AdamW moments of its own step."""
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
+    writes = HeldWrites(monkeypatch)
     try:
         model, optimizer = tiny_model_and_optimizer(seed=0)
         background = sharded_background(torch.device("cpu"))
         saved: dict[Path, list[torch.Tensor]] = {}
         for step in (1, 2, 3):
-            ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(step))
-            loss, _ = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _train_step(model, optimizer, seed=step)
             directory = tmp_path / f"step-{step}"
+            writes.hold_next()
             save = start_sharded_save(
                 directory, model, optimizer, {"step": step}, {}, background=background
             )
             saved[directory] = _full_weights_and_moments(model, optimizer)
+            writes.wait_until_held()
+            _train_step(model, optimizer, seed=100 + step)  # during the write
+            after = _full_weights_and_moments(model, optimizer)
+            assert not any(map(torch.equal, saved[directory], after))
+            writes.release()
             save.finish()
         first, second, _ = saved.values()
         assert not any(torch.equal(a, b) for a, b in zip(first, second, strict=True))
@@ -298,6 +340,7 @@ def test_background_sharded_saves_one_after_another_each_hold_their_own_step(
             for index, (loaded, expected) in enumerate(zip(got, want, strict=True)):
                 assert torch.equal(loaded, expected), (directory.name, index)
     finally:
+        writes.release()  # a failed assertion must not leave the upload thread waiting
         torch.distributed.destroy_process_group()
 
 
