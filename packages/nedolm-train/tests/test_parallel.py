@@ -383,12 +383,15 @@ def test_parallelism_and_precision_are_validated() -> None:
     with pytest.raises(ValueError, match="parallelism must be one of"):
         parallelize(model, "zero3", device=torch.device("cpu"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="precision must be one of"):
-        mixed_precision_policy("fp16", torch.device("cpu"))  # type: ignore[arg-type]
-    cpu = mixed_precision_policy("auto", torch.device("cpu"))
-    cuda = mixed_precision_policy("auto", torch.device("cuda", 0))
-    assert (cpu.param_dtype, cpu.reduce_dtype) == (torch.float32, torch.float32)
-    assert (cuda.param_dtype, cuda.reduce_dtype) == (torch.bfloat16, torch.float32)
-    bf16 = mixed_precision_policy("bf16", torch.device("cpu"))
+        parallelize(
+            model,
+            "fsdp",
+            device=torch.device("cpu"),
+            precision="fp16",  # type: ignore[arg-type]
+        )
+    fp32 = mixed_precision_policy("fp32")
+    assert (fp32.param_dtype, fp32.reduce_dtype) == (torch.float32, torch.float32)
+    bf16 = mixed_precision_policy("bf16")
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 

@@ -37,6 +37,7 @@ from nedolm.train.base import BASE_CONFIG_FILE, model_config
 from nedolm.train.base_weights import read_base_weights
 from nedolm.train.checkpoint import newest_model_checkpoint
 from nedolm.train.config import load_run_config
+from nedolm.train.precision import COMPUTE_DTYPES, choose_precision, gpu_of
 from nedolm.train.state import load_model_weights
 
 EXPORT_SIDECAR = "nedolm"
@@ -56,8 +57,8 @@ HOST = Placement(torch.device("cpu"), torch.float32)
 
 
 def resolve_placement(device: str, dtype: str) -> Placement:
-    """``--device`` and ``--dtype`` ("auto": CUDA when there is one, then bfloat16 on CUDA and
-    float32 on CPU)."""
+    """``--device`` and ``--dtype`` ("auto": CUDA when there is one, then bfloat16 on a GPU
+    with bf16 tensor cores and float32 elsewhere, as ``train.precision: auto`` trains)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -67,7 +68,7 @@ def resolve_placement(device: str, dtype: str) -> Placement:
     if target.type == "cuda" and not torch.cuda.is_available():
         raise click.UsageError(f"--device {device}: this torch build sees no CUDA device")
     if dtype == "auto":
-        dtype = "bfloat16" if target.type == "cuda" else "float32"
+        return Placement(target, COMPUTE_DTYPES[choose_precision("auto", gpu_of(target))])
     return Placement(target, getattr(torch, dtype))
 
 

@@ -52,7 +52,7 @@ placement_options = [
         ["auto"],
         "auto",
         "Weights and KV cache dtype (bf16, fp32 and fp16 name the same); auto = bfloat16 on "
-        "CUDA, float32 on CPU.",
+        "a GPU with bf16 tensor cores (Ampere and later), else float32.",
     ),
 ]
 sampling_options = [

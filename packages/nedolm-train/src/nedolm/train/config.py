@@ -201,8 +201,9 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """ddp replicates the model on every rank; fsdp shards parameters, gradients and AdamW
     states (FSDP2). Not part of the recipe: a run may resume under the other mode."""
     precision: Literal["auto", "bf16", "fp32", "bfloat16", "float32"] = "auto"
-    """fsdp only: parameter/reduce dtype (auto: bf16 on CUDA, fp32 on CPU); torch's names
-    bfloat16 and float32 are read as bf16 and fp32."""
+    """Compute dtype in both modes (ddp: autocast; fsdp: parameters), master weights and AdamW
+    states fp32: auto is bf16 on a GPU with bf16 tensor cores (Ampere and later), else fp32;
+    bf16 on an older GPU is refused. torch's bfloat16 and float32 are read as bf16 and fp32."""
     elastic: bool = False
     """Allow a resume with another world size, micro_batch_size or num_workers: the rest of
     the interrupted epoch is re-dealt over the new ranks (each target still once an epoch)."""

@@ -23,30 +23,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nedolm.dist import is_distributed
 from nedolm.model import MorphTransformer
+from nedolm.train.precision import COMPUTE_DTYPES, ComputePrecision, Precision, resolve_precision
 
 Parallelism = Literal["ddp", "fsdp"]
-Precision = Literal["auto", "bf16", "fp32"]
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def mixed_precision_policy(precision: Precision, device: torch.device) -> MixedPrecisionPolicy:
+def mixed_precision_policy(compute: ComputePrecision) -> MixedPrecisionPolicy:
     """FSDP2's compute dtype; sharded master weights, AdamW states and the gradient
     reduce-scatter stay fp32.
 
-    ``auto`` is bf16 parameters on CUDA, fp32 on CPU (CPU bf16 matmuls are slow and the CPU
-    tests compare against fp32 DDP to rounding). Gradients are summed over ranks in fp32 in
-    every mode (torchtitan's default), as DDP's all-reduce sums them: a bf16 sum over ranks
-    would lose precision DDP keeps, and a run may switch between the two at any checkpoint.
-
-    Raises:
-        ValueError: unknown ``precision``.
+    Gradients are summed over ranks in fp32 in every mode (torchtitan's default), as DDP's
+    all-reduce sums them: a bf16 sum over ranks would lose precision DDP keeps, and a run may
+    switch between the two at any checkpoint.
     """
-    if precision not in get_args(Precision):
-        raise ValueError(f"precision must be one of {get_args(Precision)}, got {precision!r}")
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    dtype = _DTYPES[precision]
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[compute], reduce_dtype=torch.float32)
 
 
 def parallelize(
@@ -67,7 +57,8 @@ def parallelize(
         model: the bare (uncompiled) model; FSDP shards it in place.
         mode: "ddp" replicates, "fsdp" shards parameters, gradients and optimizer states.
         device: this rank's device.
-        precision: FSDP mixed precision (see ``mixed_precision_policy``); DDP ignores it.
+        precision: FSDP's compute dtype (``resolve_precision``, ``mixed_precision_policy``);
+            DDP's is the autocast around its forward, which is the caller's.
         ddp_bucket_cap_mb: DDP gradient bucket size.
         ddp_static_graph: DDP static-graph optimisation.
 
@@ -77,10 +68,11 @@ def parallelize(
 
     Raises:
         ValueError: unknown ``mode`` or ``precision``.
+        PrecisionError: ``bf16`` on a GPU without bf16 tensor cores.
     """
     if mode not in get_args(Parallelism):
         raise ValueError(f"parallelism must be one of {get_args(Parallelism)}, got {mode!r}")
-    policy = mixed_precision_policy(precision, device)  # validated in both modes
+    policy = mixed_precision_policy(resolve_precision(precision, device))  # checked in both modes
     if not is_distributed():
         return model
     if mode == "ddp":

@@ -69,6 +69,7 @@ from nedolm.train.contract import (
 from nedolm.train.memory import memory_advice
 from nedolm.train.optim import build_optimizer
 from nedolm.train.parallel import is_sharded, parallelize
+from nedolm.train.precision import COMPUTE_DTYPES, ComputePrecision, resolve_precision
 from nedolm.train.state import TrainState, read_checkpoint
 from nedolm.train.step import LossOptions, StepSettings
 
@@ -144,10 +145,13 @@ def prepare_run(
         info, "read corpus seq_len", lambda: audited_seq_len(cfg.data_dir)
     )
     seq_len = cfg.train.seq_len or corpus_seq_len
+    compute = all_rank_call(
+        info, "resolve precision", lambda: resolve_precision(cfg.train.precision, info.device)
+    )
     all_rank_call(
         info,
         "check runtime",
-        lambda: _check_runtime(cfg, model_cfg, seq_len, corpus_seq_len, info.device),
+        lambda: _check_runtime(cfg, model_cfg, seq_len, corpus_seq_len, info.device, compute),
     )
     main_rank_call(info, "check corpus tokenizer", lambda: check_base_tokenizer(cfg, run_config))
     data = _prepare_data(cfg, info, run_config, model_cfg, seq_len)
@@ -204,7 +208,7 @@ def prepare_run(
         loss=LossOptions(
             assistant_only_head=cfg.train.assistant_only_head,
             loss_fp32_logits=cfg.train.loss_fp32_logits,
-            use_amp=info.device.type == "cuda",
+            use_amp=compute == "bf16",
         ),
         memory=memory_advice(cfg, seq_len, info.world_size),
     )
@@ -226,7 +230,7 @@ def prepare_run(
                 resume, contract, str(resume_path), parts=("execution",), free=free
             ),
         )
-    model = _parallelize(base_model, cfg, info)
+    model = _parallelize(base_model, cfg, info, compute)
 
     optimizer = all_rank_call(
         info, "build optimizer", lambda: build_optimizer(base_model, cfg.optim)
@@ -266,9 +270,11 @@ def _check_runtime(
     seq_len: int,
     corpus_seq_len: int,
     device: torch.device,
+    compute: ComputePrecision,
 ) -> None:
     """Refuse a seq_len the model or the corpus cannot train at, or an attention backend that
-    cannot train here, saying what to change; log a backend the configs name."""
+    cannot train here in the run's compute dtype, saying what to change; log a backend the
+    configs name."""
     longest = model_cfg.max_seq_len
     if seq_len > longest:
         fix = (
@@ -292,7 +298,7 @@ def _check_runtime(
         else f"the base model's config ({cfg.base_config or cfg.base_hf_dir})"
     )
     try:
-        resolve_attn_impl(model_cfg.attn_impl, device)
+        resolve_attn_impl(model_cfg.attn_impl, device, COMPUTE_DTYPES[compute])
     except AttentionBackendError as err:
         raise AttentionBackendError(
             f"{err}. It is set by {source}; `train.attn_impl: auto` takes the first backend "
@@ -508,7 +514,9 @@ def _restore(
         )
 
 
-def _parallelize(base_model: MorphTransformer, cfg: SFTConfig, info: DistInfo) -> nn.Module:
+def _parallelize(
+    base_model: MorphTransformer, cfg: SFTConfig, info: DistInfo, compute: ComputePrecision
+) -> nn.Module:
     """DDP wraps the model (its blocks compiled or not); FSDP shards it in place, each block
     a unit whose compiled wrapper keeps calling the sharded block."""
     t = cfg.train
@@ -516,7 +524,7 @@ def _parallelize(base_model: MorphTransformer, cfg: SFTConfig, info: DistInfo) -
         base_model,
         t.parallelism,
         device=info.device,
-        precision=t.precision,
+        precision=compute,
         ddp_bucket_cap_mb=t.ddp_bucket_cap_mb,
         ddp_static_graph=t.ddp_static_graph,
     )

@@ -54,7 +54,7 @@ class LossOptions:
     """Fused head: projection + cross-entropy at target positions only."""
     loss_fp32_logits: bool
     use_amp: bool
-    """bf16 autocast (CUDA); CPU runs in fp32."""
+    """bf16 autocast: ``train.precision`` resolved to bf16 (``resolve_precision``)."""
 
 
 @dataclass(frozen=True)
