@@ -80,8 +80,8 @@ def _first_losses(make_config, name: str, precision: str) -> tuple[float, float]
 
 def test_a_ddp_run_computes_in_the_precision_it_is_given(make_config) -> None:
     """On a CPU ``auto`` is fp32 and equals ``fp32`` exactly; ``bf16`` autocasts the same
-    weights (before DDP's precision was FSDP's alone, and a bf16 run here was an fp32 one), so
-    its losses differ by bf16 rounding: not at all would mean fp32, much would mean a bug."""
+    weights, so its losses differ by bf16 rounding: not at all would mean the setting was
+    ignored (as DDP ignored it before), much would mean a bug."""
     fp32 = _first_losses(make_config, "fp32", "fp32")
     assert _first_losses(make_config, "auto", "auto") == fp32
     bf16 = _first_losses(make_config, "bf16", "bfloat16")
