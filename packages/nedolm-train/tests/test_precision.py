@@ -3,6 +3,7 @@ on a GPU without bf16 tensor cores, and a real run that computes in the dtype it
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -68,11 +69,15 @@ def test_a_cpu_has_no_gpu_and_auto_says_what_it_chose(caplog) -> None:
     assert [r.getMessage() for r in caplog.records] == ["train.precision auto: fp32 on cpu"]
 
 
-def _first_losses(make_config, name: str, precision: str) -> tuple[float, float]:
-    """Validation loss before training and the first step's loss (both on the base weights)."""
-    config = make_config(name, train={"max_steps": 1, "precision": precision})
+def _first_losses(make_config, precision: str, computes: str) -> tuple[float, float]:
+    """Validation loss before training and the first step's loss (both on the base weights);
+    the start's record in run_metadata.json names what it computed in."""
+    config = make_config(precision, train={"max_steps": 1, "precision": precision})
     run(load_sft_config(config), compile=False)
-    records = read_metrics(config.with_suffix(""))
+    run_dir = config.with_suffix("")
+    meta = json.loads((run_dir / "run_metadata.json").read_text(encoding="utf-8"))
+    assert meta["starts"][-1]["precision"] == computes
+    records = read_metrics(run_dir)
     first_val = next(r["val_loss"] for r in records if r.get("kind") == "validation")
     first_train = next(r["loss"] for r in records if "loss" in r)
     return first_val, first_train
@@ -82,9 +87,9 @@ def test_a_ddp_run_computes_in_the_precision_it_is_given(make_config) -> None:
     """On a CPU ``auto`` is fp32 and equals ``fp32`` exactly; ``bf16`` autocasts the same
     weights, so its losses differ by bf16 rounding: not at all would mean the setting was
     ignored (as DDP ignored it before), much would mean a bug."""
-    fp32 = _first_losses(make_config, "fp32", "fp32")
-    assert _first_losses(make_config, "auto", "auto") == fp32
-    bf16 = _first_losses(make_config, "bf16", "bfloat16")
+    fp32 = _first_losses(make_config, "fp32", computes="fp32")
+    assert _first_losses(make_config, "auto", computes="fp32") == fp32
+    bf16 = _first_losses(make_config, "bfloat16", computes="bf16")
     for got, want in zip(bf16, fp32, strict=True):
         assert got != want
         assert got == pytest.approx(want, rel=2e-2)
