@@ -637,7 +637,7 @@ def _write_metadata(run: Run, data: _Data) -> None:
             "nodes": os.environ.get("SLURM_JOB_NODELIST", ""),
             "base_checkpoint": run.base_checkpoint,
             "effective_compile": run.contract["execution"]["effective_compile"],
-            "precision": "bf16" if run.settings.loss.use_amp else "fp32",  # auto, resolved here
+            "precision": "bf16" if run.settings.loss.use_amp else "fp32",  # as resolved
             "max_steps": run.max_steps,
             "schedule_steps": run.state.progress.schedule_steps or run.max_steps,
             "torch": torch.__version__,
