@@ -53,12 +53,14 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     from nedolm.model import build_model, preset, resolve_attn_impl
     from nedolm.train.compile_cache import load_compile_cache, save_compile_cache
     from nedolm.train.compiling import compile_and_warm_up, warmup_batch
+    from nedolm.train.precision import COMPUTE_DTYPES, resolve_precision
     from nedolm.train.step import LossOptions, StepSettings, forward_backward
 
     device = torch.device(args.device)
     narrow = dict(d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=512, morph_expert_dim=64)
     cfg = preset("nedolm-0.8b", n_layers=args.layers, vocab_size=4096, **narrow)
-    resolve_attn_impl(cfg.attn_impl, device)  # as a run does: probed before compiling
+    compute = resolve_precision("auto", device)  # as a run does, with its default precision
+    resolve_attn_impl(cfg.attn_impl, device, COMPUTE_DTYPES[compute])  # probed before compiling
     torch.manual_seed(0)
     with device:
         model = build_model(cfg)
@@ -68,7 +70,9 @@ def child(args: argparse.Namespace) -> dict[str, float]:
         eos_id=2,
         grad_accum_steps=1,
         grad_clip=1.0,
-        loss=LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=on_cuda),
+        loss=LossOptions(
+            assistant_only_head=True, loss_fp32_logits=True, use_amp=compute == "bf16"
+        ),
     )
     mb = warmup_batch(cfg.vocab_size, args.micro_batch, args.seq_len, 2, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

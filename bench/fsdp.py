@@ -70,7 +70,7 @@ def _rank(rank: int, mode: str, port: int, args: argparse.Namespace, out: Path) 
     base_rss = _rss_mib()
     torch.manual_seed(0)
     cfg = preset("tiny", vocab_size=32003, max_seq_len=args.seq_len)
-    model = parallelize(build_model(cfg), mode, device=info.device)
+    model = parallelize(build_model(cfg), mode, device=info.device, compute="fp32")  # gloo: CPU
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4, warmup_steps=1))
     gen = torch.Generator().manual_seed(rank)
     times = []

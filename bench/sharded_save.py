@@ -56,7 +56,7 @@ def _trained_fsdp_model(args: argparse.Namespace, device: torch.device):
         max_seq_len=64,
         tie_embeddings=False,
     )
-    model = parallelize(build_model(cfg), "fsdp", device=device)
+    model = parallelize(build_model(cfg), "fsdp", device=device, compute="fp32")
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4, warmup_steps=1))
     ids = torch.randint(0, cfg.vocab_size, (1, 65))
     loss, _ = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False)

@@ -389,6 +389,14 @@ def run_model_config(config: Path):
     )
 
 
+def run_precision(plan: Plan, config: Path) -> str:
+    """The precision the run of ``config`` computes in on ``plan.device`` (``auto`` resolved)."""
+    from nedolm.train.config import load_sft_config
+    from nedolm.train.precision import resolve_precision
+
+    return resolve_precision(load_sft_config(config).train.precision, torch.device(plan.device))
+
+
 def real_optimizer_steps(plan: Plan, config: Path, count: int):
     """The first ``count`` optimizer steps of the run of ``config`` (``plan.grad_accum``
     micro-batches each, on the device): its training shards drawn with its seed, the very
@@ -417,21 +425,25 @@ def model_step_section(plan: Plan, config: Path, trainer_tps: float) -> None:
     from nedolm.dist import DistInfo
     from nedolm.model import build_model, resolve_attn_impl
     from nedolm.train.compiling import compile_and_warm_up
+    from nedolm.train.precision import COMPUTE_DTYPES
     from nedolm.train.step import LossOptions, StepSettings, forward_backward
 
     model_cfg = run_model_config(config)
-    resolve_attn_impl(model_cfg.attn_impl, plan.device)  # as the run does: probed before compiling
+    compute = run_precision(plan, config)
+    # as the run does: probed in its compute dtype before compiling
+    resolve_attn_impl(model_cfg.attn_impl, plan.device, COMPUTE_DTYPES[compute])
     torch.manual_seed(0)
     with torch.device(plan.device):
         model = build_model(model_cfg)
     steps, eos = real_optimizer_steps(plan, config, 5)
-    on_cuda = plan.device == "cuda"
     settings = StepSettings(
         DistInfo(0, 1, 0, torch.device(plan.device)),
         eos,
         grad_accum_steps=plan.grad_accum,
         grad_clip=1.0,
-        loss=LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=on_cuda),
+        loss=LossOptions(
+            assistant_only_head=True, loss_fp32_logits=True, use_amp=compute == "bf16"
+        ),
     )
     if plan.compile:
         compile_and_warm_up(model, settings, plan.micro_batch, plan.seq_len)
@@ -530,11 +542,11 @@ def llama_section(plan: Plan, config: Path, trainer_tps: float) -> None:
         model = LlamaForCausalLM(llama_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     steps, _ = real_optimizer_steps(plan, config, 4)
-    on_cuda = plan.device == "cuda"
+    use_amp = run_precision(plan, config) == "bf16"  # as the trainer computes
 
     def step(micro) -> None:
         for mb in micro:
-            with torch.autocast(plan.device, dtype=torch.bfloat16, enabled=on_cuda):
+            with torch.autocast(plan.device, dtype=torch.bfloat16, enabled=use_amp):
                 loss = model(input_ids=mb.inputs, labels=mb.inputs).loss  # full logits, all tokens
             (loss / len(micro)).backward()
         optimizer.step()

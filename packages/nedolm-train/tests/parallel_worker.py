@@ -113,7 +113,7 @@ def main() -> None:
 def run(args: argparse.Namespace, info: DistInfo) -> None:
     """Train, save and hold as the options say; writes the outputs on rank 0."""
     torch.manual_seed(args.init_seed)  # the same initial weights on every rank
-    model = parallelize(build_model(MODEL), args.mode, device=info.device)
+    model = parallelize(build_model(MODEL), args.mode, device=info.device, compute="fp32")
     optimizer = build_optimizer(model, OPTIM)
     if args.load_sharded:
         assert load_sharded(args.load_sharded, model, optimizer) == {"step": args.start}

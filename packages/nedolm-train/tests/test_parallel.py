@@ -212,7 +212,9 @@ def test_full_state_moves_between_ddp_and_fsdp(runs: dict[str, Path], tmp_path: 
 
 def tiny_model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = parallelize(build_model(WORKER_MODULE.MODEL), "fsdp", device=torch.device("cpu"))
+    model = parallelize(
+        build_model(WORKER_MODULE.MODEL), "fsdp", device=torch.device("cpu"), compute="fp32"
+    )
     return model, build_optimizer(model, WORKER_MODULE.OPTIM)
 
 
@@ -380,15 +382,12 @@ def test_full_state_that_does_not_fit_is_refused_by_name() -> None:
 
 def test_parallelism_and_precision_are_validated() -> None:
     model = build_model(WORKER_MODULE.MODEL)
+    cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="parallelism must be one of"):
-        parallelize(model, "zero3", device=torch.device("cpu"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="precision must be one of"):
-        parallelize(
-            model,
-            "fsdp",
-            device=torch.device("cpu"),
-            precision="fp16",  # type: ignore[arg-type]
-        )
+        parallelize(model, "zero3", device=cpu, compute="fp32")  # type: ignore[arg-type]
+    for unresolved in ("fp16", "auto"):  # `auto` is resolved against the device before
+        with pytest.raises(ValueError, match=rf"compute precision must be one of .*'{unresolved}'"):
+            parallelize(model, "fsdp", device=cpu, compute=unresolved)  # type: ignore[arg-type]
     fp32 = mixed_precision_policy("fp32")
     assert (fp32.param_dtype, fp32.reduce_dtype) == (torch.float32, torch.float32)
     bf16 = mixed_precision_policy("bf16")
@@ -416,7 +415,9 @@ def test_ddp_is_told_in_its_own_torchs_keyword_not_to_sync_buffers_per_forward(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            ddp = parallelize(build_model(WORKER_MODULE.MODEL), "ddp", device=torch.device("cpu"))
+            ddp = parallelize(
+                build_model(WORKER_MODULE.MODEL), "ddp", device=torch.device("cpu"), compute="fp32"
+            )
         assert isinstance(ddp, DistributedDataParallel)
         assert len(ddp.modules_buffers) > 0 and not ddp.will_sync_module_buffers()
     finally:

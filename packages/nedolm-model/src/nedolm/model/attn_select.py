@@ -58,8 +58,9 @@ def resolve_attn_impl(
     `auto` is the first backend (in `auto_order(device)`) whose forward+backward probe passed. A
     named backend must be present and pass its forward probe, and with `backward` (the default:
     training) its forward+backward probe. `dtype` defaults to bf16 on CUDA, else float32 (the
-    trainer passes its own: fp32 on a GPU without bf16 tensor cores). Cached: with `backward=False` (what the model's forward asks) a
-    repeated call is one dict look-up, which compiled graphs trace without a break.
+    trainer passes its own: fp32 on a GPU without bf16 tensor cores). Cached: with
+    `backward=False` (what the model's forward asks) a repeated call is one dict look-up, which
+    compiled graphs trace without a break.
 
     Raises:
         AttentionBackendError: unknown name, or the backend cannot run here (with the reason).

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nedolm.dist import is_distributed
 from nedolm.model import MorphTransformer
-from nedolm.train.precision import COMPUTE_DTYPES, ComputePrecision, Precision, resolve_precision
+from nedolm.train.precision import COMPUTE_DTYPES, ComputePrecision
 
 Parallelism = Literal["ddp", "fsdp"]
 
@@ -35,7 +35,15 @@ def mixed_precision_policy(compute: ComputePrecision) -> MixedPrecisionPolicy:
     Gradients are summed over ranks in fp32 in every mode (torchtitan's default), as DDP's
     all-reduce sums them: a bf16 sum over ranks would lose precision DDP keeps, and a run may
     switch between the two at any checkpoint.
+
+    Raises:
+        ValueError: ``compute`` is not a resolved precision (``auto`` is resolved before).
     """
+    if compute not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"compute precision must be one of {tuple(COMPUTE_DTYPES)} (train.precision as "
+            f"resolve_precision resolves it), got {compute!r}"
+        )
     return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[compute], reduce_dtype=torch.float32)
 
 
@@ -44,7 +52,7 @@ def parallelize(
     mode: Parallelism,
     *,
     device: torch.device,
-    precision: Precision = "auto",
+    compute: ComputePrecision,
     ddp_bucket_cap_mb: float = 25.0,
     ddp_static_graph: bool = False,
 ) -> nn.Module:
@@ -57,8 +65,9 @@ def parallelize(
         model: the bare (uncompiled) model; FSDP shards it in place.
         mode: "ddp" replicates, "fsdp" shards parameters, gradients and optimizer states.
         device: this rank's device.
-        precision: FSDP's compute dtype (``resolve_precision``, ``mixed_precision_policy``);
-            DDP's is the autocast around its forward, which is the caller's.
+        compute: the resolved precision (``resolve_precision``), FSDP's compute dtype
+            (``mixed_precision_policy``); DDP's is the autocast around its forward, which is the
+            caller's.
         ddp_bucket_cap_mb: DDP gradient bucket size.
         ddp_static_graph: DDP static-graph optimisation.
 
@@ -67,12 +76,11 @@ def parallelize(
         unchanged when no process group is initialised).
 
     Raises:
-        ValueError: unknown ``mode`` or ``precision``.
-        PrecisionError: ``bf16`` on a GPU without bf16 tensor cores.
+        ValueError: unknown ``mode`` or ``compute``.
     """
     if mode not in get_args(Parallelism):
         raise ValueError(f"parallelism must be one of {get_args(Parallelism)}, got {mode!r}")
-    policy = mixed_precision_policy(resolve_precision(precision, device))  # checked in both modes
+    policy = mixed_precision_policy(compute)  # checked in both modes
     if not is_distributed():
         return model
     if mode == "ddp":

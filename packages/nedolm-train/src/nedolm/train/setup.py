@@ -524,7 +524,7 @@ def _parallelize(
         base_model,
         t.parallelism,
         device=info.device,
-        precision=compute,
+        compute=compute,
         ddp_bucket_cap_mb=t.ddp_bucket_cap_mb,
         ddp_static_graph=t.ddp_static_graph,
     )
