@@ -90,6 +90,9 @@ def test_export_of_an_empty_run_directory(nedolm_sft: RunCli, tmp_path: Path) ->
     "args, needle",
     [
         (["generate", "missing-dir", "--prompt", "merhaba"], "missing-dir"),
+        # no such device here: no CUDA on a CPU machine, no 1000th GPU on a GPU machine
+        (["generate", "missing-dir", "--prompt", "merhaba", "--device", "cuda:999"], "cuda:999"),
+        (["chat", "missing-dir", "--device", "gpu"], "--device gpu"),
         (["plot", "missing-run"], "missing-run"),
         (["verify", "not-a-corpus"], "not-a-corpus"),
         (["prepare", "missing.jsonl", "--tokenizer", "t.json", "--out", "d"], "t.json"),

@@ -65,8 +65,15 @@ def resolve_placement(device: str, dtype: str) -> Placement:
         target = torch.device(device)
     except RuntimeError as exc:
         raise click.UsageError(f"--device {device}: {exc}") from exc
-    if target.type == "cuda" and not torch.cuda.is_available():
-        raise click.UsageError(f"--device {device}: this torch build sees no CUDA device")
+    if target.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise click.UsageError(f"--device {device}: this torch build sees no CUDA device")
+        if target.index is not None and target.index >= count:
+            raise click.UsageError(
+                f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to "
+                f"cuda:{count - 1}"
+            )
     if dtype == "auto":
         return Placement(target, COMPUTE_DTYPES[choose_precision("auto", gpu_of(target))])
     return Placement(target, getattr(torch, dtype))
