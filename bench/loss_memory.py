@@ -104,7 +104,7 @@ def count_traffic(device: str) -> Traffic:
     loss.has_float32_output_gemm = lambda device_type: device == "gpu"
     try:
         with (traffic := Traffic()), torch.no_grad():
-            loss._chunked_loss(hidden, weight, targets, VOCAB, False, True, chunk_rows, True)
+            loss._chunked_loss(hidden, weight, targets, VOCAB, "sum", True, chunk_rows, True)
     finally:
         loss.has_float32_output_gemm = probe
     return traffic
@@ -114,7 +114,7 @@ def main() -> None:
     hidden, weight, targets = head_inputs()
     chunk_rows = LOSS_CHUNK_ELEMENTS // PADDED
     with (body := LiveBytes(hidden, weight, targets)), torch.no_grad():
-        loss._chunked_loss(hidden, weight.bfloat16(), targets, VOCAB, False, True, chunk_rows, True)
+        loss._chunked_loss(hidden, weight.bfloat16(), targets, VOCAB, "sum", True, chunk_rows, True)
     hidden.requires_grad_()
     weight.requires_grad_()
     with (op := LiveBytes(hidden, weight, targets)), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -111,6 +111,42 @@ def test_chunks_padding_rows_and_no_grad_path() -> None:
     torch.testing.assert_close(again, want.detach())
 
 
+@pytest.mark.parametrize("fp32_logits", [True, False])
+def test_per_row_losses_equal_the_library_cross_entropy_per_row(fp32_logits) -> None:
+    """``reduction="none"``: each row's loss (0 where ignored) over chunks, the last one short,
+    as ``F.cross_entropy(reduction="none")``; their sum is the "sum" reduction's."""
+    torch.manual_seed(3)
+    vocab, padded = 50, 64
+    hidden, weight = torch.randn(23, 16), torch.randn(padded, 16)
+    targets = torch.randint(0, vocab, (23,))
+    targets[[0, 9, 22]] = IGNORE_INDEX
+    head = dict(vocab_size=vocab, fp32_logits=fp32_logits, chunk_elements=7 * padded)
+    per_row = fused_linear_cross_entropy(hidden, weight, targets, reduction="none", **head)
+    want = F.cross_entropy(hidden @ weight[:vocab].T, targets, reduction="none")
+    assert per_row.shape == (23,) and per_row.dtype == torch.float32
+    torch.testing.assert_close(per_row, want)
+    assert (per_row[[0, 9, 22]] == 0).all()
+    summed = fused_linear_cross_entropy(hidden, weight, targets, reduction="sum", **head)
+    torch.testing.assert_close(per_row.sum(), summed)
+
+
+def test_per_row_losses_have_no_gradient_and_come_from_the_fused_head(make_model) -> None:
+    """A loss per row cannot be scaled after the fact into the weight gradient the head forms
+    in forward: asked for with gradients, it is refused, as it is from the full-logits path;
+    under no_grad the model returns one loss per scored row."""
+    model = make_model()
+    input_ids, labels, layout = sft_batch(model.cfg.vocab_size, seed=4)
+    with pytest.raises(ValueError, match=r"'none'.*no gradient.*torch\.no_grad"):
+        model(input_ids, labels, return_logits=False, loss_reduction="none", **layout)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="with return_logits"):
+            model(input_ids, labels, loss_reduction="none", **layout)
+        per_row, _ = model(input_ids, labels, return_logits=False, loss_reduction="none", **layout)
+        summed, _ = model(input_ids, labels, return_logits=False, loss_reduction="sum", **layout)
+    assert per_row.shape == ((labels != IGNORE_INDEX).sum(),)
+    torch.testing.assert_close(per_row.sum(), summed)
+
+
 @pytest.mark.parametrize(
     ("dtype", "slice_rows"),
     [(torch.float32, 8192), (torch.bfloat16, 8192), (torch.bfloat16, 24)],  # 24: 3 slices
@@ -165,7 +201,7 @@ def test_the_chunk_loop_cuda_runs_passes_torchs_shape_and_dtype_checks(monkeypat
     weight = torch.empty(64, 16, dtype=torch.bfloat16, device="meta")
     targets = torch.empty(23, dtype=torch.long, device="meta")
     loss, grad_hidden, grad_weight = loss_module._chunked_loss(
-        hidden, weight, targets, 50, True, fp32_logits, 7, True
+        hidden, weight, targets, 50, "mean", fp32_logits, 7, True
     )
     assert loss.shape == () and loss.dtype == torch.float32
     assert grad_hidden.shape == (23, 16) and grad_hidden.dtype == torch.bfloat16

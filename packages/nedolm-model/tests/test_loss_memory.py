@@ -91,7 +91,7 @@ def test_a_chunks_temporaries_are_freed_before_the_next_chunk_allocates() -> Non
     tracker = LiveBytes(hidden, weight, targets)
     with tracker, torch.no_grad():
         loss, grad_hidden, grad_weight = _chunked_loss(
-            hidden, weight, targets, VOCAB, False, True, CHUNK_ROWS, True
+            hidden, weight, targets, VOCAB, "sum", True, CHUNK_ROWS, True
         )
     assert ROWS // CHUNK_ROWS == 8 and grad_weight.dtype == torch.float32
     assert torch.isfinite(loss) and grad_hidden.abs().sum() > 0

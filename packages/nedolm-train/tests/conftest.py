@@ -102,6 +102,21 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def val_inputs_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A corpus built with two validation inputs: shards 2 and 3 hold one each."""
+    chat = FIXTURES / "tr_chat"
+    out = tmp_path_factory.mktemp("val-inputs") / "data"
+    build_corpus(
+        [chat / "nutuk_qa.jsonl", chat / "truthfulqa_tr.jsonl"],
+        FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz",
+        out,
+        BuildOptions(seq_len=SEQ_LEN, shards=2),
+        val_inputs=[chat / "tquad_enelpi_train.jsonl", chat / "seed_tasks_tr.jsonl"],
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
 def base_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     return init_tiny_base(tmp_path_factory.mktemp("base") / "base", corpus, TINY, seed=1)
 

@@ -15,6 +15,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.nn.parallel import DistributedDataParallel
 
-from nedolm.dist import RankError
+from nedolm.dist import DistInfo, RankError
 from nedolm.model import build_model
 from nedolm.train.checkpoint import checkpoint_path, latest_checkpoint
 from nedolm.train.optim import build_optimizer
@@ -43,10 +44,18 @@ from nedolm.train.sharded import (
     temporary_dir,
 )
 
-WORKER = Path(__file__).with_name("parallel_worker.py")
-_spec = importlib.util.spec_from_file_location("parallel_worker", WORKER)
-WORKER_MODULE = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(WORKER_MODULE)  # the model config the workers train
+
+def load_worker(name: str) -> tuple[Path, ModuleType]:
+    """A worker script beside this file, and the module it is (what its ranks build)."""
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module
+
+
+WORKER, WORKER_MODULE = load_worker("parallel_worker")  # the model config the workers train
+VALIDATION_WORKER, VALIDATION_MODULE = load_worker("validation_worker")
 TIMEOUT_S = 300
 SAVE_AT = 5
 
@@ -54,7 +63,9 @@ SAVE_AT = 5
 class Ranks:
     """Two worker processes of one process group; a hang fails the test, never blocks it."""
 
-    def __init__(self, out_dir: Path, *args: str, world_size: int = 2) -> None:
+    def __init__(
+        self, out_dir: Path, *args: str, world_size: int = 2, worker: Path = WORKER
+    ) -> None:
         self.out_dir = out_dir
         out_dir.mkdir(parents=True)
         with socket.socket() as sock:
@@ -74,7 +85,7 @@ class Ranks:
                 "CUDA_VISIBLE_DEVICES": "",
             }
             with (out_dir / f"rank{rank}.log").open("wb") as log:
-                cmd = [sys.executable, str(WORKER), str(out_dir), *args]
+                cmd = [sys.executable, str(worker), str(out_dir), *args]
                 proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
             self.procs.append(proc)
 
@@ -392,6 +403,42 @@ def test_parallelism_and_precision_are_validated() -> None:
     assert (fp32.param_dtype, fp32.reduce_dtype) == (torch.float32, torch.float32)
     bf16 = mixed_precision_policy("bf16")
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_per_source_validation_runs_one_forward_per_batch_on_every_rank(
+    val_inputs_corpus: Path, tmp_path: Path
+) -> None:
+    """Ranks validate different rows (rank 0 mixes both inputs, rank 1 reads one): split by
+    source, rank 0 would run more forwards than rank 1, and under FSDP each forward gathers
+    every block, so its gathers would pair with the wrong ones of rank 1 (or hang). Every rank
+    runs one forward per batch, and both modes give what one process finds over both ranks'
+    rows: the target-weighted whole of the two passes."""
+    corpus, worker = val_inputs_corpus, VALIDATION_MODULE
+    groups = {
+        mode: Ranks(tmp_path / mode, mode, str(corpus), worker=VALIDATION_WORKER)
+        for mode in ("ddp", "fsdp")
+    }
+    cpu = DistInfo(0, 1, 0, torch.device("cpu"))
+    model = worker.tiny_model(corpus)
+    passes = [worker.validate(model, corpus, ids, cpu) for ids in worker.SHARDS_OF_RANK]
+    assert [len(p.targets_by_source) for p in passes] == [2, 1]
+    targets = sum(p.targets for p in passes)
+    names = passes[0].targets_by_source
+    by_source = {name: sum(p.targets_by_source.get(name, 0) for p in passes) for name in names}
+    for mode, group in groups.items():
+        out = group.wait_ok()
+        forwards = [json.loads((out / f"rank{r}.json").read_text())["forwards"] for r in (0, 1)]
+        assert forwards == [worker.batches(corpus)] * 2, mode
+        result = json.loads((out / "result.json").read_text())
+        assert result["targets"] == targets and result["targets_by_source"] == by_source, mode
+        assert result["loss"] == pytest.approx(
+            sum(p.loss * p.targets for p in passes) / targets, rel=1e-6
+        ), mode
+        for name, count in by_source.items():
+            summed = sum(
+                p.loss_by_source.get(name, 0) * p.targets_by_source.get(name, 0) for p in passes
+            )
+            assert result["loss_by_source"][name] == pytest.approx(summed / count, rel=1e-6)
 
 
 class Torch211DistributedDataParallel:

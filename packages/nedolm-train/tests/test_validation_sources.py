@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from nedolm.data.builder import BuildOptions, build_corpus
 from nedolm.data.contract import read_validation_sources
 from nedolm.data.format import read_special_tokens
 from nedolm.data.loader import build_sft_loader
@@ -20,27 +19,20 @@ from nedolm.train.step import LossOptions, StepError
 from nedolm.train.testing import SMALL_BASE, OpNames
 from nedolm.train.validation import run_validation
 
-FIXTURES = Path(__file__).resolve().parents[2] / "nedolm-data" / "tests" / "fixtures"
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 FUSED = LossOptions(assistant_only_head=True, loss_fp32_logits=True, use_amp=False)
+FULL_LOGITS = LossOptions(assistant_only_head=False, loss_fp32_logits=True, use_amp=False)
 SEQ_LEN = 256
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    chat = FIXTURES / "tr_chat"
-    out = tmp_path_factory.mktemp("val-inputs") / "data"
-    build_corpus(
-        [chat / "nutuk_qa.jsonl", chat / "truthfulqa_tr.jsonl"],
-        FIXTURES / "tokenizer" / "mistral_v1.tokenizer.json.gz",
-        out,
-        BuildOptions(seq_len=SEQ_LEN, shards=2),
-        val_inputs=[chat / "tquad_enelpi_train.jsonl", chat / "seed_tasks_tr.jsonl"],
-    )
-    return out
+@pytest.fixture
+def corpus(val_inputs_corpus: Path) -> Path:
+    """This module's corpus: the conftest's with two validation inputs (shards 2 and 3)."""
+    return val_inputs_corpus
 
 
-def test_each_source_validates_as_its_shard_alone(corpus: Path) -> None:
+@pytest.mark.parametrize("options", [FUSED, FULL_LOGITS], ids=["fused_head", "full_logits"])
+def test_each_source_validates_as_its_shard_alone(corpus: Path, options: LossOptions) -> None:
     sources = read_validation_sources(corpus)
     assert sources == {2: "tquad_enelpi_train.jsonl", 3: "seed_tasks_tr.jsonl"}
     special = read_special_tokens(corpus)
@@ -56,7 +48,13 @@ def test_each_source_validates_as_its_shard_alone(corpus: Path) -> None:
         windows = sum(s.plan.counts.windows for s in planned)
         assert windows % 4 == 0
         return run_validation(
-            model, loader, CPU, batches=windows // 4, eos_id=special.eos_id, options=FUSED, **kwargs
+            model,
+            loader,
+            CPU,
+            batches=windows // 4,
+            eos_id=special.eos_id,
+            options=options,
+            **kwargs,
         )
 
     both = validate([2, 3], sources=sources)

@@ -18,7 +18,9 @@ check). On a GPU the head is bound by memory traffic, not by its matmuls, so eve
 The head is the custom op ``nedolm::fused_linear_cross_entropy``: torch.compile sees one opaque
 call whose target count may be symbolic, so a compiled training forward has no graph break and
 no recompile for a new target count. Rows whose target is ``IGNORE_INDEX`` add nothing, which
-lets callers pad the target rows to a size of their choosing.
+lets callers pad the target rows to a size of their choosing. Without gradients it can also
+return each row's loss (``reduction="none"``), so an evaluation that splits the loss by row
+(validation per source) still runs one forward per batch.
 """
 
 # Shape legend: N target rows, D model dim, V logical vocab, W padded vocab, C chunk rows.
@@ -31,6 +33,7 @@ import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
+REDUCTIONS = ("sum", "mean", "none")
 LOSS_CHUNK_ELEMENTS = 3 << 22  # logits elements per chunk: 48 MiB of float32 softmax
 GRAD_WEIGHT_SLICE_ROWS = 8192  # vocabulary rows per product where no GEMM outputs float32
 
@@ -52,24 +55,30 @@ def fused_linear_cross_entropy(
         weight_WD: output embedding; rows past `vocab_size` are padding and never predicted.
         targets_N: target ids in [0, vocab_size), or IGNORE_INDEX for a row that adds nothing.
         vocab_size: logical vocabulary size.
-        reduction: "sum" or "mean" over the rows whose target is not ignored.
+        reduction: "sum" or "mean" over the rows whose target is not ignored, or "none": each
+            row's loss, float32 [N], 0 where the target is ignored (no gradients: evaluation).
         fp32_logits: upcast each chunk's logits to float32 before the softmax.
         chunk_elements: logits elements computed at once (rows = chunk_elements // W).
     """
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {reduction!r}")
     device_type = hidden_ND.device.type
     compute_dtype = hidden_ND.dtype
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     with_grads = torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_WD.requires_grad)
+    if with_grads and reduction == "none":
+        raise ValueError(
+            "loss_reduction 'none' (a loss per row) has no gradient: evaluate under "
+            "torch.no_grad(), train with 'sum' or 'mean'"
+        )
     chunk_rows = max(1, chunk_elements // weight_WD.size(0))
     loss, _, _ = _fused_head(
         hidden_ND,
         weight_WD,
         targets_N,
         vocab_size,
-        reduction == "mean",
+        reduction,
         fp32_logits,
         compute_dtype,
         chunk_rows,
@@ -84,14 +93,14 @@ def _fused_head(
     weight_WD: Tensor,
     targets_N: Tensor,
     vocab_size: int,
-    mean: bool,
+    reduction: str,
     fp32_logits: bool,
     compute_dtype: torch.dtype,
     chunk_rows: int,
     with_grads: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, d loss / d hidden [N, D] in compute dtype, d loss / d weight [W, D] in fp32); the
-    gradients are empty without ``with_grads``.
+    gradients are empty without ``with_grads``; the loss is [N] for ``reduction="none"``.
 
     Matmuls run over all W rows (an aligned width; an odd V like 32003 slows half-precision
     GEMMs), and the softmax reads only the first V columns: padding is never predicted.
@@ -102,7 +111,7 @@ def _fused_head(
             weight_WD.to(compute_dtype),
             targets_N,
             vocab_size,
-            mean,
+            reduction,
             fp32_logits,
             chunk_rows,
             with_grads,
@@ -114,7 +123,7 @@ def _chunked_loss(
     weight: Tensor,
     targets_N: Tensor,
     vocab_size: int,
-    mean: bool,
+    reduction: str,
     fp32_logits: bool,
     chunk_rows: int,
     with_grads: bool,
@@ -124,8 +133,9 @@ def _chunked_loss(
     safe_targets_N = torch.where(valid_N, targets_N, 0)
     # A tensor, not a Python number: reading the count would stall on the device. No valid
     # target: the mean is 0/0 = nan, as F.cross_entropy's.
-    scale = 1.0 / valid_N.sum().float() if mean else None
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    scale = 1.0 / valid_N.sum().float() if reduction == "mean" else None
+    per_row = reduction == "none"
+    loss = torch.zeros(n_rows if per_row else (), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else hidden.new_empty(0)
     grad_weight = (
         torch.zeros_like(weight, dtype=torch.float32) if with_grads else weight.new_empty(0)
@@ -135,9 +145,13 @@ def _chunked_loss(
         rows = slice(start, start + chunk_rows)
         chunk = (hidden[rows], safe_targets_N[rows], valid_N[rows])
         if with_grads:
-            loss += _add_chunk(head, *chunk, grad_hidden[rows], grad_weight)
+            loss_C = _add_chunk(head, *chunk, grad_hidden[rows], grad_weight)
         else:
-            loss += _chunk_loss_and_logits_grad(head, *chunk, with_grads=False)[0]
+            loss_C = _chunk_loss_and_logits_grad(head, *chunk, with_grads=False)[0]
+        if per_row:
+            loss[rows] = loss_C
+        else:
+            loss += loss_C.sum()
     if scale is not None:
         loss = loss * scale
     return loss, grad_hidden, grad_weight
@@ -160,7 +174,7 @@ def _add_chunk(
     grad_hidden_CD: Tensor,
     grad_weight: Tensor,
 ) -> Tensor:
-    """One chunk's summed loss, its gradients added into the buffers given.
+    """One chunk's loss per row, its gradients added into the buffers given.
 
     A function of its own, as is `_chunk_loss_and_logits_grad`: a chunk's temporaries are freed
     when it returns, so none of them is alive while the next chunk allocates its logits.
@@ -206,7 +220,7 @@ def has_float32_output_gemm(device_type: str) -> bool:
 def _chunk_loss_and_logits_grad(
     head: _Head, h_CD: Tensor, y_C: Tensor, valid_C: Tensor, *, with_grads: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """(summed loss of the chunk's valid rows, d loss / d logits [C, W] in the weight's dtype or
+    """(loss of each row [C], 0 where ignored; d loss / d logits [C, W] in the weight's dtype or
     None); the float32 softmax dies with this call, before the gradient matmuls run.
 
     On a GPU one pass over the chunk's float32 [C, V] softmax takes about half as long as the
@@ -230,7 +244,7 @@ def _chunk_loss_and_logits_grad(
     exp_CV.exp_()
     sum_C = exp_CV.sum(dim=-1, keepdim=True, dtype=torch.float32)
     lse_C = max_C + sum_C.log()
-    loss_C = torch.where(valid_C[:, None], lse_C - target_logit_C, 0.0).sum()
+    loss_C = torch.where(valid_C, (lse_C - target_logit_C).squeeze(1), 0.0)
     if not with_grads:
         return loss_C, None
     # d(lse - logit_y) / d logits = (exp - sum * onehot(y)) / sum on valid rows, 0 elsewhere.
@@ -249,13 +263,15 @@ def _(
     weight_WD: Tensor,
     targets_N: Tensor,
     vocab_size: int,
-    mean: bool,
+    reduction: str,
     fp32_logits: bool,
     compute_dtype: torch.dtype,
     chunk_rows: int,
     with_grads: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    loss = hidden_ND.new_empty((), dtype=torch.float32)
+    loss = hidden_ND.new_empty(
+        hidden_ND.shape[:1] if reduction == "none" else (), dtype=torch.float32
+    )
     if not with_grads:
         return loss, hidden_ND.new_empty(0, dtype=compute_dtype), weight_WD.new_empty(0)
     grad_hidden = hidden_ND.new_empty(hidden_ND.shape, dtype=compute_dtype)

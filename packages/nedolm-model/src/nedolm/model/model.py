@@ -217,7 +217,7 @@ class MorphTransformer(nn.Module):
         unrolls every layer: 3.2x the warm-up at nedolm-0.8b's 24, `bench/compile.py`). What
         lies outside the blocks (embedding, rotary tables, routing, the loss head, itself one
         op) runs eagerly: a handful of kernels per forward. Eval mode runs the blocks eagerly:
-        validation slices batches by source and runs without grad, generation grows a cache,
+        validation runs without grad (its batches' shapes vary), generation grows a cache,
         and either would otherwise trace new graphs. The compiled wrappers are not submodules:
         weights, state dicts and FSDP's sharding see the plain blocks.
         """
@@ -257,7 +257,8 @@ class MorphTransformer(nn.Module):
             labels: same shape, target id per position or -100 (IGNORE_INDEX) for context.
             return_logits: return [..., vocab_size] logits; with labels and False, the loss is
                 computed only at target positions and logits never exist.
-            loss_reduction: "sum" or "mean" over target positions.
+            loss_reduction: "sum" or "mean" over target positions; "none" (fused head only,
+                without gradients) gives each scored row's loss [N], 0 on padding rows.
             loss_fp32_logits: compute the softmax of the loss in float32.
             cu_seqlens: int32 [N + 1] segment offsets into the flattened tokens; default: each
                 row is one sequence.
@@ -330,7 +331,8 @@ class MorphTransformer(nn.Module):
             if labels is not None:
                 if loss_reduction not in ("sum", "mean"):
                     raise ValueError(
-                        f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}"
+                        f"loss_reduction must be 'sum' or 'mean' with return_logits (a loss "
+                        f"per row comes from the fused head), got {loss_reduction!r}"
                     )
                 loss = F.cross_entropy(
                     logits_TV.float() if loss_fp32_logits else logits_TV,

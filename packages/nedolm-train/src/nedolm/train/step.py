@@ -155,6 +155,19 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
 
 def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
     """Summed cross-entropy over the micro-batch's targets."""
+    return _cross_entropy(model, mb, options, "sum")
+
+
+def target_losses(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
+    """Each target's cross-entropy, float32, in ``mb.target_index``'s order (0 at its padding
+    entries), without gradients: what an evaluation that splits the loss by row sums, after
+    one forward over the whole micro-batch."""
+    return _cross_entropy(model, mb, options, "none")
+
+
+def _cross_entropy(
+    model: nn.Module, mb: MicroBatch, options: LossOptions, reduction: str
+) -> Tensor:
     layout = mb.layout()
     with torch.autocast(mb.inputs.device.type, dtype=torch.bfloat16, enabled=options.use_amp):
         if options.assistant_only_head:
@@ -162,19 +175,23 @@ def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:
                 mb.inputs,
                 labels=mb.labels,
                 return_logits=False,
-                loss_reduction="sum",
+                loss_reduction=reduction,
                 loss_fp32_logits=options.loss_fp32_logits,
                 target_index=mb.target_index,
                 **layout,
             )
             return loss
         _, logits = model(mb.inputs, return_logits=True, **layout)
-        return F.cross_entropy(
+        loss = F.cross_entropy(
             logits.flatten(0, 1).float(),
             mb.labels.flatten(),
             ignore_index=IGNORE_INDEX,
-            reduction="sum",
+            reduction=reduction,
         )
+    if reduction != "none":
+        return loss
+    padding = mb.target_index < 0
+    return loss.index_select(0, mb.target_index.clamp_min(0)).masked_fill(padding, 0.0)
 
 
 class StepBatches(NamedTuple):

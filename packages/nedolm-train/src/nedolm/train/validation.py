@@ -6,8 +6,11 @@ any metric all-reduce: a failure on one rank is raised on all of them instead of
 healthy ones in a SUM that the failed one never enters.
 
 A corpus built with ``prepare --val-input`` names the input each validation shard holds; the
-pass then also sums the loss per input (each batch's rows grouped by the shard they come
-from), riding the same all-reduce, so ``loss_by_source`` costs no collective.
+pass then also sums the loss per input (each target's loss added to the input its row's shard
+holds), riding the same all-reduce, so ``loss_by_source`` costs no collective. It is still one
+forward per batch, on every rank: under FSDP each forward all-gathers every block, so a rank
+running more forwards than another (as splitting batches by source would) would pair its
+gathers with the wrong ones of its peers.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from nedolm.data.loader import SFTLoader
 from nedolm.dist import DistInfo, collect_rank_errors, sum_all
 from nedolm.train.faults import maybe_inject
 from nedolm.train.memory import DEFAULT_ADVICE, MemoryAdvice, is_out_of_memory
-from nedolm.train.step import LossOptions, StepError, loss_sum, to_micro_batch
+from nedolm.train.step import (
+    LossOptions,
+    MicroBatch,
+    StepError,
+    loss_sum,
+    target_losses,
+    to_micro_batch,
+)
 
 
 @dataclass(frozen=True)
@@ -71,23 +81,30 @@ def run_validation(
     names = sorted(set(sources.values())) if sources else []
     # loss, targets, context; then loss, targets of each of ``names``
     totals = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=info.device)
+    # per source, the last one for rows of no input: loss on the device, targets on the host
+    loss_by_source = torch.zeros(len(names) + 1, dtype=torch.float64, device=info.device)
+    targets_by_source = torch.zeros(len(names) + 1, dtype=torch.float64)
     local_error = memory_error = ""
     try:
         maybe_inject("validation", info.rank)
         it = iter(loader)
         for _ in range(batches):
             batch = next(it)
-            groups = _source_rows(loader, batch, sources, names) if names else [(None, None)]
-            for source, rows in groups:
-                part = batch if rows is None else {k: v[rows] for k, v in batch.items()}
-                mb = to_micro_batch(part, info.device, eos_id)
+            mb = to_micro_batch(batch, info.device, eos_id)
+            if sources and names:
+                row_source_B = _row_sources(loader, batch, sources, names)
+                losses_N = target_losses(model, mb, options)
+                loss = losses_N.double().sum()  # as each source sums it
+                loss_by_source += _loss_by_source(losses_N, mb, row_source_B, len(names) + 1)
+                row_targets_B = batch["trainable_mask"][:, 1:].sum(1)  # as ``mb.targets`` counts
+                targets_by_source.index_add_(0, row_source_B, row_targets_B.double())
+            else:
                 loss = loss_sum(model, mb, options)
-                totals[0] += loss.double()  # not read per batch: each read waits for the GPU
-                totals[1] += mb.targets
-                totals[2] += mb.inputs.numel()
-                if source is not None:
-                    totals[3 + 2 * source] += loss.double()
-                    totals[4 + 2 * source] += mb.targets
+            totals[0] += loss.double()  # not read per batch: each read waits for the GPU
+            totals[1] += mb.targets
+            totals[2] += mb.inputs.numel()
+        totals[3::2] = loss_by_source[:-1]
+        totals[4::2] = targets_by_source[:-1].to(info.device)
     except Exception as exc:  # reported to every rank below, never raised alone
         failure = f"{type(exc).__name__}: {exc}"
         if is_out_of_memory(exc):
@@ -121,24 +138,35 @@ def run_validation(
     )
 
 
-def _source_rows(
+def _loss_by_source(
+    losses_N: torch.Tensor, mb: MicroBatch, row_source_B: torch.Tensor, count: int
+) -> torch.Tensor:
+    """Each source's summed loss (float64 [count], on the device): every target's loss added to
+    its row's source (the padding entries of the target index add their 0 to row 0's)."""
+    rows_N = mb.target_index.clamp_min(0) // mb.inputs.size(1)
+    source_N = row_source_B.to(losses_N.device)[rows_N]
+    by_source = torch.zeros(count, dtype=torch.float64, device=losses_N.device)
+    return by_source.index_add_(0, source_N, losses_N.double())
+
+
+def _row_sources(
     loader: Iterable[dict[str, Any]],
     batch: dict[str, torch.Tensor],
     sources: Mapping[int, str],
     names: list[str],
-) -> list[tuple[int | None, torch.Tensor]]:
-    """(index into ``names`` or None, row indices) of each group of the batch's rows that come
-    from the same validation input (None: a shard that names no input)."""
+) -> torch.Tensor:
+    """The index into ``names`` of the validation input each row of the batch comes from, or
+    ``len(names)`` for a shard that names none (int64 [B], on the CPU)."""
     if not isinstance(loader, SFTLoader):
         raise TypeError("per-source validation needs the SFTLoader, which knows each row's shard")
     dataset = loader.dataset
     windows = loader.trained_windows(batch)
     shard_at = np.searchsorted(dataset.shard_offsets, windows, side="right") - 1
-    shard_ids = [dataset.shards[i].shard_id for i in shard_at.tolist()]
     index = {name: i for i, name in enumerate(names)}
-    of_row = [index.get(sources.get(shard, ""), -1) for shard in shard_ids]
-    groups = []
-    for source in sorted(set(of_row)):
-        rows = torch.tensor([r for r, s in enumerate(of_row) if s == source], dtype=torch.long)
-        groups.append((None if source < 0 else source, rows))
-    return groups
+    return torch.tensor(
+        [
+            index.get(sources.get(dataset.shards[i].shard_id, ""), len(names))
+            for i in shard_at.tolist()
+        ],
+        dtype=torch.long,
+    )
