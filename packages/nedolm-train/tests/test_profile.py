@@ -35,16 +35,26 @@ def test_busy_time_is_the_length_of_the_union_of_intervals() -> None:
 
 def test_the_device_figures_of_a_summary() -> None:
     """The CUDA branch, on the profiler's own event records as a GPU profile holds them: kernels
-    on two streams overlap, the host waits in cudaStreamSynchronize and reads one scalar."""
+    on two streams overlap, the host waits in cudaStreamSynchronize and reads one scalar; a
+    record_function region's span on the device (a gpu_user_annotation) is not device work."""
 
-    def event(name: str, start: float, end: float, device: DeviceType) -> FunctionEvent:
+    def event(
+        name: str, start: float, end: float, device: DeviceType, annotation: bool = False
+    ) -> FunctionEvent:
         return FunctionEvent(
-            id=0, name=name, thread=0, start_us=start, end_us=end, device_type=device
+            id=0,
+            name=name,
+            thread=0,
+            start_us=start,
+            end_us=end,
+            device_type=device,
+            is_user_annotation=annotation,
         )
 
     kernels = [(0, 100), (50, 150), (200, 260), (400, 440)]  # union: 150 + 60 + 40 us
     events = [event(f"kernel{i}", *span, DeviceType.CUDA) for i, span in enumerate(kernels)]
     events += [
+        event("Optimizer.step#AdamW.step", 0, 440, DeviceType.CUDA, annotation=True),
         event("cudaStreamSynchronize", 100, 300, DeviceType.CPU),
         event("cudaLaunchKernel", 0, 5, DeviceType.CPU),
         event("aten::_local_scalar_dense", 290, 300, DeviceType.CPU),

@@ -109,7 +109,9 @@ def summarize(
     ``first_step..last_step`` in ``wall_s`` seconds."""
     steps = last_step - first_step + 1
     events = list(events)
-    device = [e for e in events if e.device_type != DeviceType.CPU]
+    # A record_function region (``Optimizer.step#AdamW.step``, DDP's forward) also shows on the
+    # device's timeline, spanning its first kernel to its last, gaps included: not device work.
+    device = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation]
     on_host = [e for e in events if e.device_type == DeviceType.CPU]
     per_step = (first_step, last_step, wall_s * 1e3 / steps, len(scalar_reads(on_host)) / steps)
     if not device:
