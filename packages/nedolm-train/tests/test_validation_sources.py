@@ -82,16 +82,26 @@ def test_a_non_finite_validation_loss_is_refused(corpus: Path) -> None:
         run_validation(model, loader, CPU, batches=1, eos_id=special.eos_id, options=FUSED)
 
 
-def test_validation_reads_the_device_once_per_pass_not_per_batch(corpus: Path) -> None:
+@pytest.mark.parametrize("per_source", [False, True], ids=["overall", "per_source"])
+def test_validation_reads_the_device_once_per_pass_not_per_batch(
+    corpus: Path, per_source: bool
+) -> None:
     special = read_special_tokens(corpus)
     model = build_model(preset("tiny", **{**SMALL_BASE, "vocab_size": special.vocab_size}))
-    shard = next(s for s in discover_sft_shards(corpus, SEQ_LEN) if s.shard_id == 2)
+    shards = [s for s in discover_sft_shards(corpus, SEQ_LEN) if s.shard_id in (2, 3)]
+    sources = read_validation_sources(corpus) if per_source else None
 
     def host_reads(batches: int) -> int:
-        loader, _ = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=4, shards=[shard], seed=5)
+        loader, _ = build_sft_loader(corpus, SEQ_LEN, micro_batch_size=4, shards=shards, seed=5)
         with (ops := OpNames()):
             run_validation(
-                model, loader, CPU, batches=batches, eos_id=special.eos_id, options=FUSED
+                model,
+                loader,
+                CPU,
+                batches=batches,
+                eos_id=special.eos_id,
+                options=FUSED,
+                sources=sources,
             )
         return ops.names.count("_local_scalar_dense")
 

@@ -132,7 +132,7 @@ def to_micro_batch(batch: dict[str, Tensor], device: torch.device, eos_id: int) 
     bounds = cu_seqlens.tolist()  # host memory: plain Python, no tensor op per batch
     longest = max(end - start for start, end in itertools.pairwise(bounds))
     mb = MicroBatch(
-        *(_to_device(t, device) for t in host),
+        *(host_to_device(t, device) for t in host),
         targets=positions.numel(),
         max_seqlen=longest,
         host_cu_seqlens=cu_seqlens,
@@ -146,8 +146,9 @@ def _padded_rows(targets: int) -> int:
     return max(1, -(-targets // TARGET_ROWS)) * TARGET_ROWS
 
 
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    """An asynchronous copy: from pinned memory when the device is a GPU."""
+def host_to_device(host: Tensor, device: torch.device) -> Tensor:
+    """An asynchronous copy: from pinned memory when the device is a GPU (a copy from pageable
+    memory would wait for the device's queue to drain)."""
     if device.type == "cuda" and not host.is_pinned():
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

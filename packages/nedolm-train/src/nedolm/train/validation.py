@@ -32,6 +32,7 @@ from nedolm.train.step import (
     LossOptions,
     MicroBatch,
     StepError,
+    host_to_device,
     loss_sum,
     target_losses,
     to_micro_batch,
@@ -95,7 +96,7 @@ def run_validation(
                 row_source_B = _row_sources(loader, batch, sources, names)
                 losses_N = target_losses(model, mb, options)
                 loss = losses_N.double().sum()  # as each source sums it
-                loss_by_source += _loss_by_source(losses_N, mb, row_source_B, len(names) + 1)
+                loss_by_source.index_add_(0, _target_sources(mb, row_source_B), losses_N.double())
                 row_targets_B = batch["trainable_mask"][:, 1:].sum(1)  # as ``mb.targets`` counts
                 targets_by_source.index_add_(0, row_source_B, row_targets_B.double())
             else:
@@ -104,7 +105,7 @@ def run_validation(
             totals[1] += mb.targets
             totals[2] += mb.inputs.numel()
         totals[3::2] = loss_by_source[:-1]
-        totals[4::2] = targets_by_source[:-1].to(info.device)
+        totals[4::2] = host_to_device(targets_by_source[:-1], info.device)
     except Exception as exc:  # reported to every rank below, never raised alone
         failure = f"{type(exc).__name__}: {exc}"
         if is_out_of_memory(exc):
@@ -138,15 +139,11 @@ def run_validation(
     )
 
 
-def _loss_by_source(
-    losses_N: torch.Tensor, mb: MicroBatch, row_source_B: torch.Tensor, count: int
-) -> torch.Tensor:
-    """Each source's summed loss (float64 [count], on the device): every target's loss added to
-    its row's source (the padding entries of the target index add their 0 to row 0's)."""
+def _target_sources(mb: MicroBatch, row_source_B: torch.Tensor) -> torch.Tensor:
+    """The source of each entry of ``mb.target_index``, on the device: its row's (row 0's for a
+    padding entry, whose loss is 0)."""
     rows_N = mb.target_index.clamp_min(0) // mb.inputs.size(1)
-    source_N = row_source_B.to(losses_N.device)[rows_N]
-    by_source = torch.zeros(count, dtype=torch.float64, device=losses_N.device)
-    return by_source.index_add_(0, source_N, losses_N.double())
+    return host_to_device(row_source_B, mb.inputs.device)[rows_N]
 
 
 def _row_sources(
