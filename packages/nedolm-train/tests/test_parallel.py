@@ -100,7 +100,8 @@ class Ranks:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
 
-    def wait_ok(self) -> Path:
+    def wait(self) -> list[int]:
+        """Every worker's exit code."""
         deadline = time.monotonic() + TIMEOUT_S
         for proc in self.procs:
             try:
@@ -108,7 +109,10 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 self.kill()
                 pytest.fail(f"worker hung:\n{self.logs()}")
-        assert [p.returncode for p in self.procs] == [0] * len(self.procs), self.logs()
+        return [p.returncode for p in self.procs]
+
+    def wait_ok(self) -> Path:
+        assert self.wait() == [0] * len(self.procs), self.logs()
         return self.out_dir
 
     def wait_for(self, names: list[str]) -> None:
@@ -439,6 +443,25 @@ def test_per_source_validation_runs_one_forward_per_batch_on_every_rank(
                 p.loss_by_source.get(name, 0) * p.targets_by_source.get(name, 0) for p in passes
             )
             assert result["loss_by_source"][name] == pytest.approx(summed / count, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_validation_failure_on_one_rank_is_reported_by_it(
+    val_inputs_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Rank 1 fails as its pass starts. Under DDP (no collective inside the pass) both ranks
+    exchange their status and raise rank 1's error; under FSDP rank 0 is already gathering the
+    first block, which an exchange would pair with wrongly, so rank 1 raises its own error at
+    once (the launcher stops the rest)."""
+    monkeypatch.setenv("NEDOLM_TEST_FAULT", "validation@1")
+    ranks = Ranks(tmp_path / mode, mode, str(val_inputs_corpus), worker=VALIDATION_WORKER)
+    codes = ranks.wait()
+    failure = "validation failed: rank 1: InjectedFault: injected fault at validation on rank 1"
+    logs = [(tmp_path / mode / f"rank{r}.log").read_text(encoding="utf-8") for r in (0, 1)]
+    assert codes[1] != 0 and failure in logs[1], logs[1]
+    assert "collect_rank_errors" not in logs[1], logs[1]
+    if mode == "ddp":
+        assert codes[0] != 0 and failure in logs[0], logs[0]
 
 
 class Torch211DistributedDataParallel:

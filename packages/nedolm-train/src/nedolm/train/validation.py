@@ -3,7 +3,9 @@
 Each pass reads the same first ``batches`` micro-batches of the validation loader on every rank
 (a fresh iterator, so the set never drifts), and every rank exchanges its error status before
 any metric all-reduce: a failure on one rank is raised on all of them instead of leaving the
-healthy ones in a SUM that the failed one never enters.
+healthy ones in a SUM that the failed one never enters. Under FSDP the healthy ones are already
+inside collectives (each forward gathers the blocks), which no status exchange can meet: there a
+failure ends its own rank at once, as a failed training step does, and the launcher the rest.
 
 A corpus built with ``prepare --val-input`` names the input each validation shard holds; the
 pass then also sums the loss per input (each target's loss added to the input its row's shard
@@ -28,6 +30,7 @@ from nedolm.data.loader import SFTLoader
 from nedolm.dist import DistInfo, collect_rank_errors, sum_all
 from nedolm.train.faults import maybe_inject
 from nedolm.train.memory import DEFAULT_ADVICE, MemoryAdvice, is_out_of_memory
+from nedolm.train.parallel import is_sharded
 from nedolm.train.step import (
     LossOptions,
     MicroBatch,
@@ -73,9 +76,10 @@ def run_validation(
     ``memory`` words the error when a batch does not fit.
 
     Raises:
-        OutOfMemory: on every rank, when a batch did not fit on some rank.
-        StepError: on every rank, when any rank failed otherwise or the global target count is
-            zero.
+        OutOfMemory: on every rank, when a batch did not fit on some rank (under FSDP: on that
+            rank).
+        StepError: on every rank, when any rank failed otherwise (under FSDP: on that rank) or
+            the global target count is zero.
     """
     was_training = model.training
     model.eval()
@@ -106,8 +110,13 @@ def run_validation(
             totals[2] += mb.inputs.numel()
         totals[3::2] = loss_by_source[:-1]
         totals[4::2] = host_to_device(targets_by_source[:-1], info.device)
-    except Exception as exc:  # reported to every rank below, never raised alone
+    except Exception as exc:  # reported to every rank below, never raised alone (but FSDP's)
         failure = f"{type(exc).__name__}: {exc}"
+        if is_sharded(model):  # the peers wait in this pass's block gathers
+            cause = f"rank {info.rank}: {failure}"  # as collect_rank_errors words it
+            if is_out_of_memory(exc):
+                raise memory.error("in validation", [cause], validation=True) from exc
+            raise StepError(f"validation failed: {cause}") from exc
         if is_out_of_memory(exc):
             memory_error = failure
         else:
