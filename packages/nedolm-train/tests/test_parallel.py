@@ -1,5 +1,6 @@
-"""FSDP2 against DDP on two real gloo ranks, sharded checkpoints across a SIGKILL, and full
-state moved between the two modes (parallel_worker.py is one rank of every run here)."""
+"""FSDP2 against DDP on two real gloo ranks, sharded checkpoints across a SIGKILL, full state
+moved between the two modes (parallel_worker.py is one rank of those runs), and per-source
+validation passes on both (validation_worker.py)."""
 
 from __future__ import annotations
 
