@@ -7,7 +7,7 @@ from nedolm.model.extend import add_morph_experts, grow_vocab
 from nedolm.model.generate import KVCache, generate
 from nedolm.model.hf import ExportFormatError, export_hf, hf_config_fields, load_hf
 from nedolm.model.hf_import import HFImportError, import_hf, read_hf_config
-from nedolm.model.layout import packed_layout
+from nedolm.model.layout import host_to_device, packed_layout
 from nedolm.model.loss import IGNORE_INDEX, fused_linear_cross_entropy
 from nedolm.model.model import MorphTransformer, build_model
 from nedolm.model.morph import morph_classes_from_vocab
@@ -29,6 +29,7 @@ __all__ = [
     "generate",
     "grow_vocab",
     "hf_config_fields",
+    "host_to_device",
     "import_hf",
     "load_hf",
     "morph_classes_from_vocab",

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from nedolm.model.flex import document_block_mask, flex_varlen
+from nedolm.model.layout import host_to_device
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -164,15 +165,9 @@ def sdpa_plan(
         real_nP = cols_P[None, :] < length_n[:, None]
         rows_nP = offset + torch.arange(len(segs) * padded).view(len(segs), padded)
         inverse_T[index_nP[real_nP]] = rows_nP[real_nP]
-        groups.append(_to_device(index_nP, device))
+        groups.append(host_to_device(index_nP, device))
         offset += len(segs) * padded
-    return groups, _to_device(inverse_T, device), max(lengths)
-
-
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return groups, host_to_device(inverse_T, device), max(lengths)
 
 
 def _padded_length(length: int) -> int:

@@ -50,3 +50,11 @@ def positions_from_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:
     lengths = cu[1:] - cu[:-1]
     starts_T = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
     return torch.arange(total, device=cu_seqlens.device) - starts_T
+
+
+def host_to_device(host: Tensor, device: torch.device) -> Tensor:
+    """An asynchronous copy of layout built on the host: from pinned memory when the device is a
+    GPU (a copy from pageable memory would wait for the device's queue to drain)."""
+    if device.type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

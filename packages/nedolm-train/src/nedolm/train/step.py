@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nedolm.dist import DistInfo, collect_rank_errors, sum_all
-from nedolm.model import IGNORE_INDEX, packed_layout
+from nedolm.model import IGNORE_INDEX, host_to_device, packed_layout
 from nedolm.train.faults import maybe_inject
 from nedolm.train.memory import DEFAULT_ADVICE, MemoryAdvice, is_out_of_memory
 from nedolm.train.parallel import local_tensor, maybe_no_sync
@@ -144,14 +144,6 @@ def to_micro_batch(batch: dict[str, Tensor], device: torch.device, eos_id: int) 
 
 def _padded_rows(targets: int) -> int:
     return max(1, -(-targets // TARGET_ROWS)) * TARGET_ROWS
-
-
-def host_to_device(host: Tensor, device: torch.device) -> Tensor:
-    """An asynchronous copy: from pinned memory when the device is a GPU (a copy from pageable
-    memory would wait for the device's queue to drain)."""
-    if device.type == "cuda" and not host.is_pinned():
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def loss_sum(model: nn.Module, mb: MicroBatch, options: LossOptions) -> Tensor:

@@ -28,6 +28,7 @@ from torch import nn
 
 from nedolm.data.loader import SFTLoader
 from nedolm.dist import DistInfo, collect_rank_errors, sum_all
+from nedolm.model import host_to_device
 from nedolm.train.faults import maybe_inject
 from nedolm.train.memory import DEFAULT_ADVICE, MemoryAdvice, is_out_of_memory
 from nedolm.train.parallel import is_sharded
@@ -35,7 +36,6 @@ from nedolm.train.step import (
     LossOptions,
     MicroBatch,
     StepError,
-    host_to_device,
     loss_sum,
     target_losses,
     to_micro_batch,
