@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from nedolm.data.contract import read_validation_sources
 from nedolm.dist import all_rank_call, gather_object, main_rank_call, sync_control_flags
 from nedolm.train.async_save import BackgroundWrite
 from nedolm.train.checkpoint import (
@@ -239,7 +238,7 @@ class Trainer:
             batches=run.cfg.validation.batches,
             eos_id=run.eos_id,
             options=run.settings.loss,
-            sources=read_validation_sources(run.cfg.data_dir),
+            sources=run.val_sources,
             memory=run.settings.memory,
         )
         record = {

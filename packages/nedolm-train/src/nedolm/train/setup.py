@@ -24,7 +24,11 @@ import torch
 from torch import nn
 
 from nedolm.data.atomic import atomic_write_bytes
-from nedolm.data.contract import audited_seq_len, validate_dataset_contract
+from nedolm.data.contract import (
+    audited_seq_len,
+    read_validation_sources,
+    validate_dataset_contract,
+)
 from nedolm.data.loader import SFTLoader, build_sft_loader
 from nedolm.data.packing import PlannedShard, discover_sft_shards
 from nedolm.data.roles import validate_roles
@@ -97,6 +101,9 @@ class Run:
     train_batches: Iterator[dict[str, torch.Tensor]]
     """Infinite iterator over ``state.loader``."""
     val_loader: SFTLoader | None
+    val_sources: dict[int, str]
+    """The input each validation shard holds (``prepare --val-input``), read once at start:
+    every validation on every rank groups its loss by the same names."""
     contract: dict[str, dict[str, Any]]
     """{"dataset", "training", "execution"}: stored in every checkpoint."""
     base_checkpoint: str
@@ -238,6 +245,9 @@ def prepare_run(
     train_loader, val_loader = all_rank_call(
         info, "build data loaders", lambda: _build_loaders(cfg, info, seq_len, data)
     )
+    val_sources = all_rank_call(
+        info, "read validation sources", lambda: read_validation_sources(cfg.data_dir)
+    )
     state = TrainState(base_model, optimizer, train_loader)
     audit = BatchAudit.from_env(train_loader, info.rank)
     if resume is not None:
@@ -256,6 +266,7 @@ def prepare_run(
         train_batches=audit.track(iter(train_loader)) if audit else iter(train_loader),
         audit=audit,
         val_loader=val_loader,
+        val_sources=val_sources,
         contract=contract,
         base_checkpoint=base_checkpoint,
         staged=staged,
