@@ -98,9 +98,9 @@ def run_validation(
             mb = to_micro_batch(batch, info.device, eos_id)
             if sources and names:
                 row_source_B = _row_sources(loader, batch, sources, names)
-                losses_N = target_losses(model, mb, options)
-                loss = losses_N.double().sum()  # as each source sums it
-                loss_by_source.index_add_(0, _target_sources(mb, row_source_B), losses_N.double())
+                losses_N = target_losses(model, mb, options).double()
+                loss = losses_N.sum()  # as each source sums it
+                loss_by_source.index_add_(0, _target_sources(mb, row_source_B), losses_N)
                 row_targets_B = batch["trainable_mask"][:, 1:].sum(1)  # as ``mb.targets`` counts
                 targets_by_source.index_add_(0, row_source_B, row_targets_B.double())
             else:
